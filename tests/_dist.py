@@ -1,0 +1,118 @@
+"""Spawn-based multi-process harness for gloo tests (CPU only, hard deadline)."""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing import connection, get_context
+
+import torch
+import torch.distributed as dist
+
+_GRACE_S = 1.0  # after the first failure, how long to collect other ranks' errors
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(conn, rank, world_size, port, timeout, fn, args, kwargs):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        # Plain pickle (not ForkingPickler): tensors travel by value, not by shared memory.
+        conn.send_bytes(pickle.dumps(("ok", fn(rank, world_size, *args, **kwargs))))
+    except BaseException:
+        conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
+    finally:
+        conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size, *args, timeout=60.0, **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes.
+
+    Each rank is a fresh ``spawn`` process with MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set,
+    ``OMP_NUM_THREADS=1`` and an initialised default gloo process group (its collective
+    timeout is ``timeout`` too). ``fn`` must be a module-level (picklable) function; its
+    return value must be picklable (tensors come back by value).
+
+    Returns the per-rank return values, ordered by rank. ``timeout`` is a hard deadline for
+    the whole run, spawn included: on expiry every child is SIGKILLed and ``TimeoutError``
+    names the ranks that had not finished. If any rank raises (or dies), the other ranks get
+    ~1 s to report, then are killed, and ``RuntimeError`` carries each failing rank's
+    traceback. To check that *every* rank raises the same error, catch it inside ``fn`` and
+    return the message instead.
+    """
+    ctx = get_context("spawn")
+    port, deadline = _free_port(), time.monotonic() + timeout
+    procs, conns = [], []
+    results, errors, pending = {}, {}, set(range(world_size))
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited at exec, before the child imports torch
+    try:
+        try:
+            for rank in range(world_size):
+                recv, send = ctx.Pipe(duplex=False)
+                conns.append(recv)
+                p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
+                                args=(send, rank, world_size, port, timeout, fn, args, kwargs))
+                p.start()  # raises here if fn/args cannot be pickled
+                procs.append(p)
+                send.close()
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        while pending:
+            if errors:
+                deadline = min(deadline, time.monotonic() + _GRACE_S)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            waitables = {conns[r]: r for r in pending}
+            waitables.update({procs[r].sentinel: r for r in pending})
+            for ready in connection.wait(list(waitables), timeout=left):
+                r = waitables[ready]
+                if r not in pending:
+                    continue
+                try:
+                    if conns[r].poll():
+                        status, value = pickle.loads(conns[r].recv_bytes())
+                    elif procs[r].exitcode is None:
+                        continue
+                    else:
+                        raise EOFError
+                except EOFError:
+                    procs[r].join(timeout=1.0)
+                    status, value = "err", f"died without a result (exit code {procs[r].exitcode})"
+                (results if status == "ok" else errors)[r] = value
+                pending.discard(r)
+        if errors:
+            msg = "\n".join(f"--- rank {r} failed ---\n{tb}" for r, tb in errors.items())
+            if pending:
+                msg += f"\n(ranks {sorted(pending)} had not finished; killed)"
+            raise RuntimeError(f"{len(errors)} of {world_size} ranks failed "
+                               f"(first failure first):\n{msg}")
+        if pending:
+            raise TimeoutError(f"run_ranks: ranks {sorted(pending)} of {world_size} had not "
+                               f"finished after {timeout} s; all ranks killed")
+        return [results[r] for r in range(world_size)]
+    finally:
+        for p in procs:  # ranks that all succeeded get 5 s to exit; anything left is killed
+            p.join(timeout=5.0 if not (errors or pending) else 0)
+            if p.is_alive():
+                p.kill()
+            p.join()
+        for c in conns:
+            c.close()
