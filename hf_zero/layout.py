@@ -1,0 +1,212 @@
+"""Pure planning of flat buffers and per-rank ownership.
+
+Nothing here touches a process group or a device: a layout is a function of the
+parameters' sizes, dtypes, devices and trainability, the world size and the shard
+mode, so every rank computes the same one and it can be tested (or planned for a
+meta-device model) on a CPU.
+
+[Note: layout]
+For each (device, dtype) the trainable params are laid end to end in one flat
+buffer. Rank ``r`` owns the contiguous range ``bounds[r]:bounds[r + 1]`` of each
+buffer. A *piece* is the intersection of one param with one rank's range; the
+owner of a piece alone keeps optimizer state for it and updates it.
+
+- ``flat``: every range has the same length (the buffer is padded), so params may
+  straddle ranks. Balance is perfect; valid for elementwise optimizers only.
+- ``param``: ranges fall on param boundaries (params are grouped by owner inside
+  the buffer), balanced greedily over the trainable params only.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+SHARD_MODES = ("flat", "param")
+
+# Each rank's range in flat mode starts on a multiple of this many bytes.
+_ALIGN_BYTES = 64
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the planner needs to know about one parameter."""
+
+    numel: int
+    dtype: torch.dtype
+    device: str
+    trainable: bool
+    group: int = 0
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where param ``index`` sits in its buffer."""
+
+    index: int
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``start:stop`` of param ``index``, at ``offset`` in buffer ``buffer``."""
+
+    index: int
+    buffer: int
+    start: int
+    stop: int
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    device: str
+    dtype: torch.dtype
+    size: int
+    slots: tuple[Slot, ...]
+    bounds: tuple[int, ...]
+
+    @property
+    def equal_ranges(self) -> bool:
+        sizes = {b - a for a, b in zip(self.bounds, self.bounds[1:])}
+        return len(sizes) == 1
+
+    def range_of(self, rank: int) -> tuple[int, int]:
+        return self.bounds[rank], self.bounds[rank + 1]
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    shard: str
+    buffers: tuple[BufferPlan, ...]
+
+    def pieces(self, rank: int) -> list[Piece]:
+        """The pieces rank ``rank`` owns, buffer by buffer, in buffer order."""
+        out = []
+        for b, buf in enumerate(self.buffers):
+            lo, hi = buf.range_of(rank)
+            for slot in buf.slots:
+                start = max(lo - slot.offset, 0)
+                stop = min(hi - slot.offset, slot.numel)
+                if start < stop:
+                    out.append(Piece(slot.index, b, start, stop, slot.offset + start))
+        return out
+
+    def all_pieces(self) -> list[list[Piece]]:
+        return [self.pieces(r) for r in range(self.world_size)]
+
+    def slots(self) -> dict[int, tuple[int, Slot]]:
+        """Param index -> (buffer number, slot) for every trainable param."""
+        return {s.index: (b, s) for b, buf in enumerate(self.buffers) for s in buf.slots}
+
+    def owned_elements(self) -> list[int]:
+        """Trainable elements each rank owns (padding excluded)."""
+        return [sum(p.numel for p in self.pieces(r)) for r in range(self.world_size)]
+
+    def balance(self) -> float:
+        """max/mean of :meth:`owned_elements`; 1.0 is perfect."""
+        return max_over_mean(self.owned_elements())
+
+
+def max_over_mean(loads: Sequence[int]) -> float:
+    total = sum(loads)
+    return 1.0 if total == 0 else max(loads) * len(loads) / total
+
+
+def plan_layout(specs: Sequence[ParamSpec], *, world_size: int, shard: str) -> Layout:
+    """Plan buffers and ownership for ``specs`` on ``world_size`` ranks."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if shard not in SHARD_MODES:
+        raise ValueError(f"shard must be one of {SHARD_MODES}, got {shard!r}")
+    keys: dict[tuple[str, torch.dtype], list[int]] = {}
+    for i, s in enumerate(specs):
+        if s.trainable and s.numel > 0:
+            keys.setdefault((s.device, s.dtype), []).append(i)
+    if shard == "flat":
+        buffers = [_flat_buffer(dev, dt, idx, specs, world_size) for (dev, dt), idx in keys.items()]
+    else:
+        owner = _param_owners(specs, world_size)
+        buffers = [_param_buffer(dev, dt, idx, specs, owner, world_size) for (dev, dt), idx in keys.items()]
+    return Layout(world_size, shard, tuple(buffers))
+
+
+def _flat_buffer(device, dtype, indices, specs, world_size) -> BufferPlan:
+    slots, offset = [], 0
+    for i in indices:
+        slots.append(Slot(i, offset, specs[i].numel))
+        offset += specs[i].numel
+    align = max(1, _ALIGN_BYTES // dtype.itemsize)
+    chunk = -(-offset // world_size)
+    chunk = -(-chunk // align) * align
+    bounds = tuple(r * chunk for r in range(world_size + 1))
+    return BufferPlan(device, dtype, chunk * world_size, tuple(slots), bounds)
+
+
+def _param_buffer(device, dtype, indices, specs, owner, world_size) -> BufferPlan:
+    slots, bounds, offset = [], [0], 0
+    for r in range(world_size):
+        for i in indices:
+            if owner[i] == r:
+                slots.append(Slot(i, offset, specs[i].numel))
+                offset += specs[i].numel
+        bounds.append(offset)
+    return BufferPlan(device, dtype, offset, tuple(slots), tuple(bounds))
+
+
+def _param_owners(specs: Sequence[ParamSpec], world_size: int) -> dict[int, int]:
+    """Whole-param owners: the better of LPT over trainable params and torch's greedy."""
+    trainable = [i for i, s in enumerate(specs) if s.trainable and s.numel > 0]
+    candidates = [_lpt(trainable, specs, world_size), _torch_greedy(specs, world_size)]
+
+    def worst(owner):
+        loads = [0] * world_size
+        for i in trainable:
+            loads[owner[i]] += specs[i].numel
+        return max(loads) if loads else 0
+
+    return min(candidates, key=worst)
+
+
+def _lpt(indices, specs, world_size) -> dict[int, int]:
+    heap = [(0, r) for r in range(world_size)]
+    owner = {}
+    for i in sorted(indices, key=lambda i: (-specs[i].numel, i)):
+        load, r = heapq.heappop(heap)
+        owner[i] = r
+        heapq.heappush(heap, (load + specs[i].numel, r))
+    return owner
+
+
+def _torch_greedy(specs, world_size) -> dict[int, int]:
+    """torch's ZeroRedundancyOptimizer partition: per group, largest first, frozen params counted."""
+    sizes = [0] * world_size
+    owner = {}
+    groups: dict[int, list[int]] = {}
+    for i, s in enumerate(specs):
+        groups.setdefault(s.group, []).append(i)
+    for indices in groups.values():
+        for i in sorted(indices, key=lambda i: -specs[i].numel):
+            r = sizes.index(min(sizes))
+            owner[i] = r
+            sizes[r] += specs[i].numel
+    return owner
+
+
+def torch_zero_loads(specs: Sequence[ParamSpec], *, world_size: int) -> list[int]:
+    """Trainable elements per rank under torch's ZeroRedundancyOptimizer partition."""
+    owner = _torch_greedy(specs, world_size)
+    loads = [0] * world_size
+    for i, s in enumerate(specs):
+        if s.trainable:
+            loads[owner[i]] += s.numel
+    return loads

@@ -1,0 +1,207 @@
+"""Optimizer state in pieces: splitting, merging and moving it between ranks.
+
+[Note: piece state]
+A rank holds optimizer state as *holdings*: ``(start, stop, shape, state)`` for a
+range of elements of one param, where ``shape`` is the shape of the tensor the
+local optimizer stepped (the param's own shape for a whole-param piece, ``(n,)``
+for a flat piece). A state value is
+
+- *elementwise* when it is a tensor of exactly that shape (Adam's moments,
+  momentum buffers): it is sliced and concatenated by element;
+- a *scalar* when it is a 0-dim tensor or a plain value (``step``): every piece of
+  a param carries the same one;
+- a *blob* otherwise (Adafactor's factored rows/columns): it only moves whole,
+  with a whole-param piece.
+
+Canonical (PyTorch ``state_dict``) state is the holding ``(0, numel, param.shape)``.
+Moving state is one metadata exchange plus one ``all_to_all`` per state dtype,
+each element sent once, straight from its holder to its new holder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .comm import Comm
+
+
+@dataclass
+class Holding:
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+    state: dict[str, Any]
+
+
+Holdings = dict[int, list[Holding]]  # param index -> holdings, sorted by start
+
+
+def _kind(value: Any, shape: tuple[int, ...]) -> tuple:
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return ("t", value.item(), str(value.dtype), value.device.type == "cpu")
+        if tuple(value.shape) == tuple(shape):
+            return ("e", str(value.dtype))
+        return ("b", str(value.dtype), tuple(value.shape))
+    return ("v", value)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def describe(held: Holdings) -> dict:
+    """Picklable metadata of ``held``: ranges and per-key kinds (scalars by value)."""
+    return {
+        i: [(h.start, h.stop, {k: _kind(v, h.shape) for k, v in h.state.items()}) for h in hs]
+        for i, hs in held.items()
+    }
+
+
+def redistribute(
+    comm: Comm,
+    held: Holdings,
+    targets: Mapping[int, list[tuple[int, int, int]]] | Callable[[set[int]], Mapping],
+    *,
+    numels: Mapping[int, int],
+    device_of: Callable[[int], torch.device],
+    names: Callable[[int], str] = str,
+) -> Holdings:
+    """Move state so each target ``(rank, start, stop)`` of param ``i`` holds its elements.
+
+    Collective. ``held`` is left untouched. ``targets`` may be a function of the set
+    of param indices that have state on any rank. Returns this rank's new holdings:
+    elementwise tensors 1-D on ``device_of(i)``, blobs in their shape, scalars
+    rebuilt from metadata. Params with no state anywhere get no holding.
+    """
+    metas = comm.all_gather_object(describe(held))
+    sources: dict[int, list[tuple[int, int, int, dict]]] = {}
+    for src, meta in enumerate(metas):
+        for i, hs in meta.items():
+            for start, stop, kinds in hs:
+                sources.setdefault(i, []).append((start, stop, src, kinds))
+    if callable(targets):
+        targets = targets(set(sources))
+    # transfers: (src, dst, index, key, lo, hi, blob_numel or None), in one global order
+    transfers = []
+    plan: dict[tuple[int, int, int], list] = {}  # (index, dst, start) -> [(src, lo, hi, kinds)]
+    for i in sorted(targets):
+        if i not in sources:
+            continue
+        srcs = sorted(sources[i])
+        for dst, ts, te in targets[i]:
+            parts = [(src, max(ts, ss), min(te, se), kinds) for ss, se, src, kinds in srcs if ss < te and se > ts]
+            covered = sum(hi - lo for _, lo, hi, _ in parts)
+            if covered != te - ts:
+                raise RuntimeError(
+                    f"hf_zero: optimizer state of param {names(i)} covers {covered} of the "
+                    f"{te - ts} elements {ts}:{te} it must provide"
+                )
+            plan[(i, dst, ts)] = parts
+            whole = ts == 0 and te == numels[i]
+            for src, lo, hi, kinds in parts:
+                for key in sorted(kinds):
+                    kind = kinds[key]
+                    if kind[0] == "e":
+                        transfers.append((src, dst, i, key, lo, hi, kind[1], None))
+                    elif kind[0] == "b":
+                        if not (whole and lo == 0 and hi == numels[i]):
+                            raise ValueError(
+                                f"hf_zero: state {key!r} of param {names(i)} has shape {kind[2]}, "
+                                "not the param's: it cannot be split across ranks (use shard='param')"
+                            )
+                        transfers.append((src, dst, i, key, lo, hi, kind[1], kind[2]))
+
+    me = comm.rank
+    received: dict[tuple, torch.Tensor] = {}
+    for dtype_name in sorted({t[6] for t in transfers}):
+        dtype = _dtype(dtype_name)
+        group = [t for t in transfers if t[6] == dtype_name]
+        send: list[list[torch.Tensor]] = [[] for _ in range(comm.world_size)]
+        recv_sizes = [0] * comm.world_size
+        for src, dst, i, key, lo, hi, _, shape in group:
+            n = hi - lo if shape is None else _numel(shape)
+            if src == me:
+                send[dst].append(_segment(held[i], key, lo, hi, shape).to(comm.device))
+            if dst == me:
+                recv_sizes[src] += n
+        packed = [torch.cat(s) if s else torch.empty(0, dtype=dtype, device=comm.device) for s in send]
+        chunks = comm.all_to_all(packed, recv_sizes, dtype=dtype, device=comm.device)
+        cursor = [0] * comm.world_size
+        for src, dst, i, key, lo, hi, _, shape in group:
+            if dst != me:
+                continue
+            n = hi - lo if shape is None else _numel(shape)
+            received[(i, key, lo)] = chunks[src][cursor[src] : cursor[src] + n]
+            cursor[src] += n
+
+    out: Holdings = {}
+    for (i, dst, ts), parts in plan.items():
+        if dst != me:
+            continue
+        device = device_of(i)
+        te = ts + sum(hi - lo for _, lo, hi, _ in parts)
+        state: dict[str, Any] = {}
+        for key, kind in parts[0][3].items():
+            if kind[0] == "e":
+                t = torch.empty(te - ts, dtype=_dtype(kind[1]), device=device)
+                for _, lo, hi, _ in parts:
+                    t[lo - ts : hi - ts].copy_(received[(i, key, lo)])
+                state[key] = t
+            elif kind[0] == "b":
+                state[key] = received[(i, key, ts)].view(kind[2]).to(device, copy=True)
+            elif kind[0] == "t":
+                _, value, dt, on_cpu = kind
+                state[key] = torch.tensor(value, dtype=_dtype(dt), device="cpu" if on_cpu else device)
+            else:
+                state[key] = kind[1]
+        out.setdefault(i, []).append(Holding(ts, te, (te - ts,), state))
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _segment(holdings: list[Holding], key: str, lo: int, hi: int, blob_shape) -> torch.Tensor:
+    for h in holdings:
+        if h.start <= lo and hi <= h.stop:
+            value = h.state[key]
+            if blob_shape is not None:
+                return value.reshape(-1)
+            return value.reshape(-1)[lo - h.start : hi - h.start]
+    raise AssertionError(f"no holding covers {lo}:{hi}")
+
+
+def split_canonical(state: Mapping[str, Any], param_shape, start: int, stop: int, piece_shape) -> dict:
+    """The piece ``start:stop`` (stepped as a tensor of ``piece_shape``) of a whole-param state."""
+    whole = start == 0 and stop == _numel(param_shape)
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if tuple(value.shape) == tuple(param_shape):
+                out[key] = value.reshape(-1)[start:stop].reshape(piece_shape)
+            elif whole:
+                out[key] = value
+            else:
+                raise ValueError(
+                    f"state {key!r} has shape {tuple(value.shape)}, not the param's "
+                    f"{tuple(param_shape)}: it cannot be split across ranks (use shard='param')"
+                )
+        else:
+            out[key] = value
+    return out
+
+
+def shape_as(holding: Holding, shape) -> dict:
+    """The holding's state with elementwise tensors viewed as ``shape``."""
+    return {
+        k: v.view(shape) if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(holding.shape) else v
+        for k, v in holding.state.items()
+    }
