@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable
 
 import torch
@@ -31,6 +32,24 @@ _NOT_HYPER = ("params", "param_names")
 def is_elementwise(optimizer_class: type) -> bool:
     """True when updating slices of a param separately equals updating the whole param."""
     return issubclass(optimizer_class, _ELEMENTWISE) or optimizer_class.__name__ in _ELEMENTWISE_NAMES
+
+
+def _check_params(param_groups: list[dict]) -> None:
+    """Reject what torch.optim accepts but sharding cannot handle, naming the param."""
+    seen = set()
+    for gi, group in enumerate(param_groups):
+        names = group.get("param_names") or [None] * len(group["params"])
+        if not group["params"]:
+            raise ValueError(f"param group {gi} is empty")
+        for k, (p, name) in enumerate(zip(group["params"], names)):
+            label = f"param {name or k} of group {gi} (shape {tuple(p.shape)})"
+            if p.layout != torch.strided:
+                raise ValueError(f"{label} is {p.layout}: only dense (strided) params can be sharded")
+            if not (p.is_floating_point() or p.is_complex()):
+                raise ValueError(f"{label} has dtype {p.dtype}: only floating point params can be optimized")
+            if id(p) in seen:
+                raise ValueError(f"{label} appears twice: list each param once")
+            seen.add(id(p))
 
 
 class ZeroBucketOptimizer(torch.optim.Optimizer):
@@ -81,10 +100,14 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         if shard == "auto":
             shard = "flat" if is_elementwise(optimizer_class) else "param"
         self._ready = False
-        super().__init__(params, {})
-        first = next((p for g in self.param_groups for p in g["params"]), None)
-        if first is None:
-            raise ValueError("params holds no tensor: every param group is empty")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # torch only warns on duplicates
+            try:
+                super().__init__(params, {})
+            except UserWarning as w:
+                raise ValueError(f"params: {w}") from None
+        _check_params(self.param_groups)
+        first = self.param_groups[0]["params"][0]
         probe = optimizer_class([torch.zeros(1, dtype=first.dtype, device=first.device)], **defaults)
         self.defaults = dict(probe.defaults)
         for group in self.param_groups:
@@ -264,6 +287,12 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         return held
 
     def _rebuild(self, mask: tuple[bool, ...]) -> None:
+        for i, p in enumerate(self._params):
+            if p.requires_grad and p.device.type == "meta":
+                raise ValueError(
+                    f"param {self._name(i)} is on the meta device at step time: materialize the "
+                    "model (e.g. model.to_empty(device=...) and load weights) before stepping"
+                )
         specs = self._specs()
         layout = plan_layout(specs, world_size=self._comm.world_size, shard=self.shard)
         held = self._holdings()
