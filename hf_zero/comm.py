@@ -6,11 +6,21 @@ must call it with arguments of the same shape, in the same order.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def _named(op: str, rank: int):
+    """Say which hf_zero operation a failed or timed-out collective belonged to."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise RuntimeError(f"hf_zero: collective for {op} failed on rank {rank}: {e}") from e
 
 
 class Comm:
@@ -57,15 +67,17 @@ class Comm:
         sizes = [b - a for a, b in zip(bounds, bounds[1:])]
         if self.backend == "nccl" and len(set(sizes)) == 1:
             lo, hi = bounds[self.rank], bounds[self.rank + 1]
-            dist.all_gather_into_tensor(buffer, buffer[lo:hi], group=self.group)
+            with _named("the parameter sync", self.rank):
+                dist.all_gather_into_tensor(buffer, buffer[lo:hi], group=self.group)
             return
-        works = [
-            dist.broadcast(buffer[a:b], src=self._globals[r], group=self.group, async_op=True)
-            for r, (a, b) in enumerate(zip(bounds, bounds[1:]))
-            if b > a
-        ]
-        for w in works:
-            w.wait()
+        with _named("the parameter sync", self.rank):
+            works = [
+                dist.broadcast(buffer[a:b], src=self._globals[r], group=self.group, async_op=True)
+                for r, (a, b) in enumerate(zip(bounds, bounds[1:]))
+                if b > a
+            ]
+            for w in works:
+                w.wait()
 
     # -- agreement ----------------------------------------------------------------
     def agree(self, fingerprint: int, flag: bool = False) -> tuple[bool, bool]:
@@ -76,7 +88,8 @@ class Comm:
         if self.world_size == 1:
             return True, flag
         t = torch.tensor([fingerprint, -fingerprint, int(flag)], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        with _named("the cross-rank layout agreement check", self.rank):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t[0]) == -int(t[1]), bool(t[2])
 
     def all_gather_object(self, obj: Any) -> list:
@@ -84,7 +97,8 @@ class Comm:
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        with _named("a metadata exchange", self.rank):
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     # -- gradients ----------------------------------------------------------------
@@ -107,7 +121,8 @@ class Comm:
                     flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
                     flat[k] = 1
                 offset += p.numel()
-            dist.all_reduce(flat, group=self.group)
+            with _named("averaging grads DDP does not reduce", self.rank):
+                dist.all_reduce(flat, group=self.group)
             present = flat[: len(ps)].tolist()
             flat.div_(self.world_size)
             offset = len(ps)
@@ -129,12 +144,14 @@ class Comm:
         send_sizes = [t.numel() for t in send]
         inp = torch.cat(list(send)) if send else torch.empty(0, dtype=dtype, device=device)
         out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-        dist.all_to_all_single(out, inp, list(recv_sizes), send_sizes, group=self.group)
+        with _named("moving optimizer state between ranks", self.rank):
+            dist.all_to_all_single(out, inp, list(recv_sizes), send_sizes, group=self.group)
         return list(out.split(list(recv_sizes)))
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            with _named("a barrier", self.rank):
+                dist.barrier(group=self.group)
 
 
 def fingerprint(items: Sequence[Any]) -> int:
