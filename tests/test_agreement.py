@@ -1,0 +1,39 @@
+"""Ranks that disagree on the trainable set raise the same clear error instead of hanging."""
+
+import time
+
+import pytest
+import torch
+
+import hf_zero
+from tests._dist import run_ranks
+
+
+def _disagree(rank, world_size, when):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=0.1)
+    for step in range(3):
+        if step == when and rank == 1:
+            model[0].weight.requires_grad_(False)  # only rank 1 freezes
+        model(torch.ones(3, 4)).sum().backward()
+        try:
+            opt.step()
+        except RuntimeError as e:
+            return step, str(e)
+        opt.zero_grad()
+    return None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", [0, 2])
+def test_one_rank_freezing_alone_fails_on_every_rank(when):
+    start = time.monotonic()
+    results = run_ranks(_disagree, 2, when, timeout=40)
+    assert time.monotonic() - start < 30
+    assert results[0] == results[1], results
+    step, message = results[0]
+    assert step == when
+    assert "ranks disagree on parameter 0.weight" in message
+    assert "rank 0: shape=(4, 4), dtype=torch.float32, device=cpu, requires_grad=True" in message
+    assert "rank 1: shape=(4, 4), dtype=torch.float32, device=cpu, requires_grad=False" in message
