@@ -1,0 +1,361 @@
+"""Plan a fine-tune before launching it: per-rank optimizer memory and balance.
+
+The model is built on the meta device from a Hugging Face config (no weights, no
+download), its parameters are turned into :class:`~hf_zero.layout.ParamSpec` and
+planned with :func:`~hf_zero.layout.plan_layout` for hf_zero's ``flat`` and
+``param`` modes, next to torch's ``ZeroRedundancyOptimizer`` partition of the same
+params (whole params, largest first, frozen params counted at full size).
+
+The JSON report (``hf-zero plan --json``) is documented in ``docs/planner.md``;
+its ``schema`` field names its version and changes only with the layout of the
+report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from .layout import ParamSpec, _torch_greedy, max_over_mean, plan_layout, torch_zero_loads
+
+SCHEMA = "hf_zero.plan/1"
+OPTIMIZERS = ("adamw", "sgd", "adafactor")
+BACKENDS = ("nccl", "gloo")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Optimizers whose update is elementwise, so shard="flat" is exact for them.
+_ELEMENTWISE = ("adamw", "sgd")
+_STEP_BYTES = 4  # torch.optim.AdamW keeps ``step`` as a float32 scalar tensor per param
+
+# Published shapes (the models' config.json on the Hugging Face Hub), written out
+# so planning needs no download.
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2": dict(
+        model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+        num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling=dict(rope_type="llama3", factor=32.0, high_freq_factor=4.0, low_freq_factor=1.0,
+                          original_max_position_embeddings=8192),
+    ),
+    "llama-3-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class NamedParam:
+    """One parameter of a meta-device model, as the planner sees it."""
+
+    name: str
+    shape: tuple[int, ...]
+    trainable: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def load_model_params(model: str) -> tuple[list[NamedParam], int]:
+    """The params (tied weights once) and buffer count of ``model``, built on the meta device.
+
+    ``model`` is a preset name (see :data:`PRESETS`), a ``config.json`` file or a
+    folder holding one.
+    """
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, CONFIG_MAPPING
+
+    key = model.lower()
+    if key in PRESETS:
+        kwargs = dict(PRESETS[key])
+        config = CONFIG_MAPPING[kwargs.pop("model_type")](**kwargs)
+    elif os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
+        config = AutoConfig.from_pretrained(model, local_files_only=True)
+    elif os.path.isfile(model):
+        with open(model) as f:
+            kwargs = json.load(f)
+        if "model_type" not in kwargs:
+            raise ValueError(f"model: {model} has no 'model_type' field, so no config class can be chosen")
+        config = CONFIG_MAPPING[kwargs.pop("model_type")](**kwargs)
+    else:
+        raise ValueError(
+            f"model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json "
+            "file nor a folder holding one"
+        )
+    with torch.device("meta"):
+        try:
+            module = AutoModelForCausalLM.from_config(config)
+        except ValueError:  # not a causal LM: the bare model
+            module = AutoModel.from_config(config)
+    params = [NamedParam(n, tuple(p.shape), True) for n, p in module.named_parameters()]
+    return params, sum(1 for _ in module.buffers())
+
+
+def select_trainable(params: Sequence[NamedParam], patterns: Sequence[str] | None) -> list[NamedParam]:
+    """Params whose name matches any of ``patterns`` (``re.search``) are trainable; all when None."""
+    if not patterns:
+        return [NamedParam(p.name, p.shape, True) for p in params]
+    try:
+        compiled = [re.compile(x) for x in patterns]
+    except re.error as e:
+        raise ValueError(f"trainable: bad regular expression: {e}") from None
+    out = [NamedParam(p.name, p.shape, any(c.search(p.name) for c in compiled)) for p in params]
+    if not any(p.trainable for p in out):
+        raise ValueError(f"trainable: no parameter name matches {list(patterns)}")
+    return out
+
+
+def state_bytes(shape: tuple[int, ...], numel: int, *, optimizer: str, itemsize: int) -> int:
+    """Optimizer-state bytes for a tensor of ``shape`` (``numel`` elements when it is a flat piece).
+
+    adamw: exp_avg + exp_avg_sq in the param dtype and a float32 ``step``.
+    sgd: one momentum buffer (``momentum > 0``). adafactor (transformers, default
+    ``beta1=None``): factored row and column second moments for >= 2-D params, a
+    full one for 1-D params (its ``step`` and ``RMS`` are Python numbers).
+    """
+    if optimizer == "adamw":
+        return 2 * numel * itemsize + _STEP_BYTES
+    if optimizer == "sgd":
+        return numel * itemsize
+    if optimizer == "adafactor":
+        if len(shape) >= 2:
+            rows = numel // shape[-1]
+            cols = numel // shape[-2]
+            return (rows + cols) * itemsize
+        return numel * itemsize
+    raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+
+
+def plan(
+    params: Sequence[NamedParam],
+    *,
+    world_size: int,
+    optimizer: str = "adamw",
+    shards: Sequence[str] = ("flat", "param"),
+    dtype: torch.dtype = torch.float32,
+    backend: str = "nccl",
+    model_name: str = "",
+    buffer_count: int = 0,
+) -> dict:
+    """The plan report (the ``--json`` document) for ``params`` on ``world_size`` ranks."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    for s in shards:
+        if s not in ("flat", "param"):
+            raise ValueError(f"shard must be 'flat' or 'param', got {s!r}")
+        if s == "flat" and optimizer not in _ELEMENTWISE:
+            raise ValueError(f"shard='flat' needs an elementwise optimizer; {optimizer} is not one: use 'param'")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    specs = [ParamSpec(p.numel, dtype, "cuda" if backend == "nccl" else "cpu", p.trainable) for p in params]
+    trainable = [p for p in params if p.trainable]
+    total = sum(p.numel for p in params)
+    train_numel = sum(p.numel for p in trainable)
+    unsharded_state = sum(state_bytes(p.shape, p.numel, optimizer=optimizer, itemsize=itemsize) for p in trainable)
+    report = {
+        "schema": SCHEMA,
+        "model": {
+            "name": model_name,
+            "params": total,
+            "param_tensors": len(params),
+            "trainable_params": train_numel,
+            "trainable_tensors": len(trainable),
+            "module_buffers": buffer_count,
+            "dtype": str(dtype).removeprefix("torch."),
+        },
+        "world_size": world_size,
+        "optimizer": optimizer,
+        "backend": backend,
+        "per_rank_common": {
+            "param_bytes": total * itemsize,
+            "grad_bytes": train_numel * itemsize,
+        },
+        "unsharded": {
+            "state_bytes": unsharded_state,
+            "ideal_state_bytes_per_rank": unsharded_state / world_size,
+        },
+        "plans": {},
+    }
+    for shard in shards:
+        report["plans"][f"hf_zero_{shard}"] = _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend)
+    report["plans"]["torch_zero"] = _torch_plan(params, specs, world_size, optimizer, itemsize)
+    return report
+
+
+def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend) -> dict:
+    layout = plan_layout(specs, world_size=world_size, shard=shard)
+    elements = layout.owned_elements()
+    state = []
+    for r in range(world_size):
+        total = 0
+        for pc in layout.pieces(r):
+            shape = params[pc.index].shape if shard == "param" else (pc.numel,)
+            total += state_bytes(shape, pc.numel, optimizer=optimizer, itemsize=itemsize)
+        state.append(total)
+    sync, kind = 0, "broadcast"
+    for buf in layout.buffers:
+        if backend == "nccl" and buf.equal_ranges:
+            sync, kind = sync + 1, "all_gather_into_tensor"
+        else:
+            sync += sum(1 for a, b in zip(buf.bounds, buf.bounds[1:]) if b > a)
+    buffers = [
+        {
+            "dtype": str(b.dtype).removeprefix("torch."),
+            "elements": b.size,
+            "bytes": b.size * itemsize,
+            "padding": b.size - sum(s.numel for s in b.slots),
+            "rank_bounds": list(b.bounds),
+        }
+        for b in layout.buffers
+    ]
+    return {
+        "trainable_elements_per_rank": elements,
+        "state_bytes_per_rank": state,
+        "max_state_bytes": max(state),
+        "balance": max_over_mean(elements),
+        "buffers": buffers,
+        "collectives_per_step": {"sync": sync, "sync_kind": kind, "control": 1 if world_size > 1 else 0},
+        "sync_bytes_per_step": sum(b["bytes"] for b in buffers),
+    }
+
+
+def _torch_plan(params, specs, world_size, optimizer, itemsize) -> dict:
+    elements = torch_zero_loads(specs, world_size=world_size)
+    owner = _torch_greedy(specs, world_size)
+    state = [0] * world_size
+    for i, p in enumerate(params):
+        if p.trainable:
+            state[owner[i]] += state_bytes(p.shape, p.numel, optimizer=optimizer, itemsize=itemsize)
+    return {
+        "trainable_elements_per_rank": elements,
+        "state_bytes_per_rank": state,
+        "max_state_bytes": max(state),
+        "balance": max_over_mean(elements),
+        # One bucket per rank, always broadcast (a dummy one when empty); without
+        # bucket views one broadcast per param of every partition, frozen included.
+        "collectives_per_step": {"bucket_view": world_size, "no_bucket_view": len(params)},
+        "sync_bytes_per_step": {
+            "bucket_view": sum(p.numel for p in params if p.trainable) * itemsize,
+            "no_bucket_view": sum(p.numel for p in params) * itemsize,
+        },
+    }
+
+
+def format_report(report: dict) -> str:
+    """The human-readable table ``hf-zero plan`` prints."""
+    m, ws = report["model"], report["world_size"]
+    gib = 1024**3
+    lines = [
+        f"model {m['name']}: {m['params']:,} params in {m['param_tensors']} tensors, "
+        f"{m['trainable_params']:,} trainable in {m['trainable_tensors']} ({m['dtype']})",
+        f"world size {ws}, optimizer {report['optimizer']}, backend {report['backend']}",
+        f"every rank: params {report['per_rank_common']['param_bytes'] / gib:.3f} GiB, "
+        f"grads {report['per_rank_common']['grad_bytes'] / gib:.3f} GiB",
+        f"unsharded optimizer state {report['unsharded']['state_bytes'] / gib:.3f} GiB "
+        f"(ideal per rank {report['unsharded']['ideal_state_bytes_per_rank'] / gib:.3f} GiB)",
+        "",
+        f"{'plan':<14}{'balance':>9}{'max state GiB':>15}{'min elems/rank':>16}{'max elems/rank':>16}{'collectives':>13}",
+    ]
+    for name, p in report["plans"].items():
+        c = p["collectives_per_step"]
+        coll = c["bucket_view"] if name == "torch_zero" else c["sync"] + c["control"]
+        el = p["trainable_elements_per_rank"]
+        lines.append(
+            f"{name:<14}{p['balance']:>9.3f}{p['max_state_bytes'] / gib:>15.3f}{min(el):>16,}{max(el):>16,}{coll:>13}"
+        )
+    lines.append("")
+    lines.append("collectives per step: hf_zero = sync + 1 control all-reduce; torch_zero = bucket-view broadcasts "
+                 f"({report['plans']['torch_zero']['collectives_per_step']['no_bucket_view']} without bucket views)")
+    if ws <= 16:
+        lines.append("")
+        lines.append("optimizer state per rank (MiB):")
+        header = "rank " + "".join(f"{name:>15}" for name in report["plans"])
+        lines.append(header)
+        for r in range(ws):
+            lines.append(f"{r:<5}" + "".join(f"{p['state_bytes_per_rank'][r] / 2**20:>15.1f}" for p in report["plans"].values()))
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: str) -> None:
+    """Bar chart of optimizer-state bytes per rank for every plan (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("plot: matplotlib is not installed (pip install 'hf_zero[bench]')") from None
+    ws = report["world_size"]
+    names = list(report["plans"])
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(6, min(ws, 64) * 0.25 + 4), 4))
+    for k, name in enumerate(names):
+        vals = [b / 2**20 for b in report["plans"][name]["state_bytes_per_rank"]]
+        ax.bar([r + k * width for r in range(ws)], vals, width=width,
+               label=f"{name} (balance {report['plans'][name]['balance']:.2f})")
+    ax.axhline(report["unsharded"]["ideal_state_bytes_per_rank"] / 2**20, color="k", ls="--", lw=0.8, label="unsharded / N")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("optimizer state (MiB)")
+    ax.set_title(f"{report['model']['name']}: {report['optimizer']} state per rank, N={ws}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def add_arguments(parser) -> None:
+    """The ``hf-zero plan`` options."""
+    parser.add_argument("--model", required=True,
+                        help=f"a preset ({', '.join(PRESETS)}), a config.json or a model folder")
+    parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
+    parser.add_argument("--trainable", nargs="+", metavar="REGEX",
+                        help="params whose name matches any REGEX are trainable (default: all)")
+    parser.add_argument("--shard", choices=("flat", "param"),
+                        help="plan only this hf_zero mode (default: both that apply)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="param dtype")
+    parser.add_argument("--backend", choices=BACKENDS, default="nccl",
+                        help="decides the sync collective (all_gather on nccl, broadcasts on gloo)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (docs/planner.md)")
+    parser.add_argument("--plot", metavar="FILE.png", help="also write a bar chart of per-rank state")
+
+
+def run(args) -> dict:
+    """Run ``hf-zero plan`` for parsed ``args``; print and return the report."""
+    if args.world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.shard == "flat" and args.optimizer not in _ELEMENTWISE:
+        raise ValueError(f"--shard flat needs an elementwise optimizer; {args.optimizer} is not one: use --shard param")
+    if args.shard:
+        shards = (args.shard,)
+    else:
+        shards = ("flat", "param") if args.optimizer in _ELEMENTWISE else ("param",)
+    params, n_buffers = load_model_params(args.model)
+    params = select_trainable(params, args.trainable)
+    report = plan(params, world_size=args.world_size, optimizer=args.optimizer, shards=shards,
+                  dtype=DTYPES[args.dtype], backend=args.backend, model_name=args.model,
+                  buffer_count=n_buffers)
+    if args.plot:
+        plot_report(report, args.plot)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return report
