@@ -314,6 +314,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
                 numels={i: p.numel() for i, p in enumerate(self._params)},
                 device_of=lambda i: self._params[i].device,
                 names=self._name,
+                piece_shape=self._piece_shape,
             )
         self._parked = {i: hs for i, hs in held.items() if i not in trainable}
         self._build_buffers(layout)
@@ -323,6 +324,10 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         if self._ddp_reduced is None:
             self._note_ddp_built()
         self.rebuilds += 1
+
+    def _piece_shape(self, i: int, start: int, stop: int) -> tuple[int, ...]:
+        """The shape the local optimizer steps elements ``start:stop`` of param ``i`` as."""
+        return tuple(self._params[i].shape) if self.shard == "param" else (stop - start,)
 
     def _parked_trainable(self, trainable: set[int]) -> bool:
         return any(i in trainable for i in self._parked)
@@ -387,6 +392,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
             numels=numels,
             device_of=lambda i: self._params[i].device,
             names=self._name,
+            piece_shape=lambda i, start, stop: tuple(self._params[i].shape),
         )
         if self._comm.rank == to:
             self._consolidated = {i: shape_as(hs[0], self._params[i].shape) for i, hs in sorted(got.items())}

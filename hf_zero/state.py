@@ -69,13 +69,18 @@ def redistribute(
     numels: Mapping[int, int],
     device_of: Callable[[int], torch.device],
     names: Callable[[int], str] = str,
+    piece_shape: Callable[[int, int, int], tuple[int, ...]] | None = None,
 ) -> Holdings:
     """Move state so each target ``(rank, start, stop)`` of param ``i`` holds its elements.
 
     Collective. ``held`` is left untouched. ``targets`` may be a function of the set
     of param indices that have state on any rank. Returns this rank's new holdings:
-    elementwise tensors 1-D on ``device_of(i)``, blobs in their shape, scalars
-    rebuilt from metadata. Params with no state anywhere get no holding.
+    elementwise tensors on ``device_of(i)`` shaped ``piece_shape(i, start, stop)``
+    (default 1-D), blobs in their shape, scalars rebuilt from metadata. Params with
+    no state anywhere get no holding.
+
+    Pass the shape the receiver steps the piece as: a 1-D holding shape is ambiguous
+    with a blob of that shape (Adafactor's column factor of a ``(1, n)`` param).
     """
     metas = comm.all_gather_object(describe(held))
     sources: dict[int, list[tuple[int, int, int, dict]]] = {}
@@ -144,13 +149,14 @@ def redistribute(
             continue
         device = device_of(i)
         te = ts + sum(hi - lo for _, lo, hi, _ in parts)
+        shape = tuple(piece_shape(i, ts, te)) if piece_shape else (te - ts,)
         state: dict[str, Any] = {}
         for key, kind in parts[0][3].items():
             if kind[0] == "e":
                 t = torch.empty(te - ts, dtype=_dtype(kind[1]), device=device)
                 for _, lo, hi, _ in parts:
                     t[lo - ts : hi - ts].copy_(received[(i, key, lo)])
-                state[key] = t
+                state[key] = t.view(shape)
             elif kind[0] == "b":
                 state[key] = received[(i, key, ts)].view(kind[2]).to(device, copy=True)
             elif kind[0] == "t":
@@ -158,7 +164,7 @@ def redistribute(
                 state[key] = torch.tensor(value, dtype=_dtype(dt), device="cpu" if on_cpu else device)
             else:
                 state[key] = kind[1]
-        out.setdefault(i, []).append(Holding(ts, te, (te - ts,), state))
+        out.setdefault(i, []).append(Holding(ts, te, shape, state))
     return out
 
 
