@@ -1,0 +1,244 @@
+"""Tiny models, data and training loops shared by the core tests.
+
+Every model computes its own loss (``model(*batch)`` returns a scalar), so the same
+loop drives a DDP-wrapped model on each rank and the single-process reference. Data
+is a deterministic function of the step: the reference trains on the global batch of
+``world_size * BATCH`` samples, rank ``r`` on rows ``r*BATCH:(r+1)*BATCH``. The loss is
+a mean over equal shards, so DDP's averaged gradients equal the reference's.
+
+A :class:`Setup` names a model, an optimizer, a shard mode and a freeze schedule; it
+is picklable so a table of them can be sent to spawned ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BATCH = 4  # samples per rank and step
+
+
+class MLP(nn.Module):
+    """Three linears and a (1, 3) output scale (a 2-D param with a length-1 dim)."""
+
+    def __init__(self, dtype=torch.float64):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 3))
+        self.scale = nn.Parameter(torch.ones(1, 3))
+        self.to(dtype)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.net(x) * self.scale, y)
+
+    def batch(self, step: int, n: int):
+        g = torch.Generator().manual_seed(1000 + step)
+        dtype = self.scale.dtype
+        return torch.randn(n, 6, generator=g, dtype=dtype), torch.randn(n, 3, generator=g, dtype=dtype)
+
+
+class TiedLM(nn.Module):
+    """Embedding tied to the output head (one param object used twice)."""
+
+    vocab, width, length = 11, 6, 5
+
+    def __init__(self, dtype=torch.float64):
+        super().__init__()
+        self.embed = nn.Embedding(self.vocab, self.width)
+        self.mix = nn.Linear(self.width, self.width)
+        self.head = nn.Linear(self.width, self.vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.to(dtype)
+
+    def forward(self, ids, targets):
+        logits = self.head(torch.tanh(self.mix(self.embed(ids))))
+        return F.cross_entropy(logits.reshape(-1, self.vocab), targets.reshape(-1))
+
+    def batch(self, step: int, n: int):
+        g = torch.Generator().manual_seed(2000 + step)
+        ids = torch.randint(0, self.vocab, (n, self.length), generator=g)
+        return ids, torch.randint(0, self.vocab, (n, self.length), generator=g)
+
+
+class MixedDtype(nn.Module):
+    """An fp32 branch and a bf16 branch with separate losses.
+
+    The branches share no gradient path, so the fp32 params can be compared with
+    fp32 tolerances whatever rounding the bf16 branch sees.
+    """
+
+    def __init__(self, dtype=None):
+        super().__init__()
+        self.fp32 = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        self.bf16 = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 4)).to(torch.bfloat16)
+
+    def forward(self, x, y32, y16):
+        return F.mse_loss(self.fp32(x), y32) + F.mse_loss(self.bf16(x.bfloat16()).float(), y16)
+
+    def batch(self, step: int, n: int):
+        g = torch.Generator().manual_seed(3000 + step)
+        return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g), torch.randn(n, 4, generator=g)
+
+
+MODELS = {"mlp": MLP, "tied": TiedLM, "mixed": MixedDtype}
+
+
+def build_model(name: str, dtype=torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return MODELS[name](dtype)
+
+
+def optimizer_spec(name: str) -> tuple[type, dict]:
+    """(optimizer class, hyperparameters) for a short name."""
+    if name == "adamw":
+        return torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)
+    if name == "sgd":
+        return torch.optim.SGD, dict(lr=5e-2, momentum=0.9)
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor, dict(lr=1e-2, scale_parameter=False, relative_step=False, warmup_init=False)
+    raise KeyError(name)
+
+
+def param_groups(model: nn.Module, groups: str) -> list:
+    """``"one"``: a single group; ``"decay"``: matrices decayed, vectors not (two groups)."""
+    params = list(model.named_parameters())
+    if groups == "one":
+        return [p for _, p in params]
+    if groups == "decay":
+        return [
+            {"params": [p for _, p in params if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+    raise KeyError(groups)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training configuration. ``schedule`` maps a step to the param-name prefixes
+    frozen from that step on (step 0 applies before DDP and the optimizer are built)."""
+
+    model: str = "mlp"
+    optimizer: str = "adamw"
+    shard: str = "flat"
+    view: bool = True
+    groups: str = "one"
+    schedule: tuple[tuple[int, tuple[str, ...]], ...] = ()
+
+    def apply_schedule(self, model: nn.Module, step: int) -> None:
+        for at, frozen in self.schedule:
+            if at == step:
+                for name, p in model.named_parameters():
+                    p.requires_grad_(not name.startswith(frozen) if frozen else True)
+
+
+def shard_of(batch, rank: int) -> tuple:
+    return tuple(t[rank * BATCH : (rank + 1) * BATCH] for t in batch)
+
+
+def train_steps(setup: Setup, model, opt, steps, *, world_size, rank=None, forward=None, set_to_none=True):
+    """Run ``steps`` (an iterable of step numbers). ``rank=None`` is the reference: it
+    trains on the global batch and, like a user of plain torch, drops frozen params'
+    grads before stepping."""
+    forward = forward or model
+    for step in steps:
+        setup.apply_schedule(model, step)
+        batch = model.batch(step, BATCH * world_size)
+        if rank is not None:
+            batch = shard_of(batch, rank)
+        forward(*batch).backward()
+        if rank is None:
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+
+
+def make_zero(setup: Setup, model: nn.Module, **kwargs):
+    from hf_zero import ZeroBucketOptimizer
+
+    cls, hyper = optimizer_spec(setup.optimizer)
+    return ZeroBucketOptimizer(
+        param_groups(model, setup.groups), cls, shard=setup.shard,
+        parameters_as_bucket_view=setup.view, **hyper, **kwargs,
+    )
+
+
+def make_reference(setup: Setup, model: nn.Module):
+    cls, hyper = optimizer_spec(setup.optimizer)
+    return cls(param_groups(model, setup.groups), **hyper)
+
+
+def reference_run(setup: Setup, world_size: int, steps: int):
+    """(final params, ``state_dict()``) of the plain optimizer on the global batch."""
+    model = build_model(setup.model)
+    setup.apply_schedule(model, 0)
+    opt = make_reference(setup, model)
+    train_steps(setup, model, opt, range(steps), world_size=world_size)
+    return params_of(model), opt.state_dict()
+
+
+def params_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# -- comparisons -------------------------------------------------------------------
+# Largest error allowed, relative to the largest magnitude of the expected tensor:
+# tight for float64, fp32 rounding over a few steps, ~2.5 ulps for bf16 (whose grads
+# are rounded differently by DDP's shard-mean-then-average and the global mean).
+RELATIVE_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def allowed_error(want: torch.Tensor) -> float:
+    if not want.is_floating_point():
+        return 0.0
+    return RELATIVE_TOLERANCE[want.dtype] * want.detach().abs().max().item() if want.numel() else 0.0
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    )
+    err = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    assert err <= allowed_error(want), f"{what}: max abs error {err:.3g} > {allowed_error(want):.3g}"
+
+
+def assert_params_equal(got: list, want: list, what: str = "param") -> None:
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close(a, b, f"{what} {i}")
+
+
+def assert_state_dict_equal(got: dict, want: dict) -> None:
+    """Same param groups, same state keys, values equal (``step`` exactly, on the same device)."""
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for i, want_state in want["state"].items():
+        got_state = got["state"][i]
+        assert sorted(got_state) == sorted(want_state), f"param {i}: state keys"
+        for k, w in want_state.items():
+            g, what = got_state[k], f"param {i} state {k!r}"
+            assert type(g) is type(w), f"{what}: {type(g)} vs {type(w)}"
+            if not isinstance(w, torch.Tensor):
+                assert g == w, f"{what}: {g} vs {w}"
+                continue
+            assert g.device == w.device, f"{what}: on {g.device}, not {w.device}"
+            if k == "step":
+                assert g.dtype == w.dtype and torch.equal(g, w), f"{what}: {g} vs {w}"
+            else:
+                assert_close(g, w, what)
+
+
+def assert_replicas_identical(per_rank: list[list[torch.Tensor]]) -> None:
+    for r, params in enumerate(per_rank[1:], start=1):
+        for i, (a, b) in enumerate(zip(params, per_rank[0])):
+            assert torch.equal(a, b), f"param {i} differs between rank {r} and rank 0"
+
+
+def is_view_into(p: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
+    return any(p.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers)
