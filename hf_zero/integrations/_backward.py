@@ -1,0 +1,88 @@
+"""Average the gradients DDP does not reduce at the end of each backward, as DDP would.
+
+[Note: unreduced gradients]
+DDP reduces only the params that required grad when it was built (DESIGN §4). A param
+unfrozen later keeps a purely local gradient. ZeroBucketOptimizer averages those at
+``step()``, which is too late for anything that reads gradients between backward and
+step: gradient clipping (the total norm would differ per rank) and GradScaler's
+inf/NaN check (ranks would disagree on skipping the step and then hang). So, like DDP,
+we average them when the backward ends, from an autograd-engine callback queued by a
+hook on the forward's outputs. Averaging is a linear projection, so doing it after
+several backwards (gradient accumulation without ``no_sync`` information) still
+gives the exact average. Every rank runs the same graph, so every rank queues the
+callback in the same backward and the collectives stay in lockstep.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
+
+
+def _tensors(output):
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, dict):
+        for v in output.values():
+            yield from _tensors(v)
+    elif isinstance(output, (list, tuple)):
+        for v in output:
+            yield from _tensors(v)
+
+
+def unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside ``DistributedDataParallel`` (``model`` itself otherwise)."""
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def attach_grad_averaging(model: torch.nn.Module, optimizer) -> None:
+    """Average, at the end of every backward through ``model``, the grads of the
+    optimizer's params that DDP does not reduce. Idempotent per ``model``.
+
+    Call when DDP has just been built: the params frozen now are the ones DDP
+    will never reduce (``optimizer._note_ddp_built()`` is called here).
+    """
+    optimizer._note_ddp_built()
+    if optimizer._comm.world_size == 1:
+        return
+    model = unwrap_ddp(model)
+    previous = _ATTACHED.pop(model, None)
+    if previous is not None:
+        previous.remove()
+    unreduced = [p for p, reduced in zip(optimizer._params, optimizer._ddp_reduced) if not reduced]
+    if not unreduced:
+        return  # DDP reduces every param this optimizer can ever train
+    opt_ref = weakref.ref(optimizer)
+
+    def average() -> None:
+        opt = opt_ref()
+        if opt is not None:
+            opt._grads_averaged = False  # forced: a step skipped by GradScaler leaves the flag set
+            opt._average_unreduced_grads()
+
+    def after_forward(module, args, output):
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in unreduced):
+            return
+        queued = [False]
+
+        def on_output_grad(grad):
+            if not queued[0]:
+                queued[0] = True
+
+                def run():
+                    queued[0] = False
+                    average()
+
+                torch.autograd.Variable._execution_engine.queue_callback(run)
+            return None
+
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(on_output_grad)
+
+    _ATTACHED[model] = model.register_forward_hook(after_forward)

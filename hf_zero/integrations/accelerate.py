@@ -1,0 +1,121 @@
+"""Accelerate integration: :func:`prepare_accelerator`.
+
+Needs no import of accelerate: it works on the ``Accelerator`` object it is given.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from ..optimizer import ZeroBucketOptimizer
+from ._backward import attach_grad_averaging, unwrap_ddp
+
+_HOOKED = "_hf_zero_hooks"
+
+
+def _ours(optimizer) -> ZeroBucketOptimizer | None:
+    while optimizer is not None and not isinstance(optimizer, ZeroBucketOptimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
+    return optimizer
+
+
+def _zero_optimizers(accelerator) -> list[ZeroBucketOptimizer]:
+    return [o for o in (_ours(opt) for opt in accelerator._optimizers) if o is not None]
+
+
+def prepare_accelerator(accelerator) -> None:
+    """Make an ``accelerate.Accelerator`` safe for :class:`~hf_zero.ZeroBucketOptimizer`.
+
+    Call it on every rank right after ``accelerator.prepare(model, optimizer, ...)``
+    (again after preparing more models/optimizers; calling it twice is harmless). It
+
+    - averages, at the end of each backward, the grads of params DDP does not reduce
+      (params frozen when ``prepare`` built DDP and unfrozen later), so
+      ``accelerator.clip_grad_norm_`` and fp16's GradScaler see the same grads on
+      every rank;
+    - makes ``accelerator.save_state()`` / ``load_state()`` exact: with safetensors
+      (the default) Accelerate keeps only one tensor per shared storage, and bucket
+      views share one; the hooks give the saved params their own storage, consolidate
+      the optimizer state on the main process, and release the views before loading
+      (they are rebuilt, with the loaded values, at the next step).
+
+    Raises ``ValueError`` when no prepared optimizer is a ZeroBucketOptimizer, or when
+    ``save_on_each_node`` is set (one complete optimizer file per node is not
+    supported yet).
+    """
+    optimizers = _zero_optimizers(accelerator)
+    if not optimizers:
+        raise ValueError(
+            "prepare_accelerator: no ZeroBucketOptimizer among the accelerator's prepared optimizers; call "
+            "it after accelerator.prepare(model, optimizer, ...)"
+        )
+    if getattr(accelerator.project_configuration, "save_on_each_node", False):
+        raise ValueError(
+            "prepare_accelerator: ProjectConfiguration(save_on_each_node=True) is not supported with "
+            "ZeroBucketOptimizer; the optimizer state is consolidated on the main process only"
+        )
+    for opt in optimizers:
+        ids = {id(p) for p in opt._params}
+        for model in accelerator._models:
+            if any(id(p) in ids for p in unwrap_ddp(model).parameters()):
+                attach_grad_averaging(model, opt)
+    if not getattr(accelerator, _HOOKED, False):
+        accelerator.register_save_state_pre_hook(_save_hook(accelerator))
+        accelerator.register_load_state_pre_hook(_load_hook(accelerator))
+        setattr(accelerator, _HOOKED, True)
+
+
+def _own_storage(state_dict: dict) -> None:
+    """Give every tensor that shares storage with a *different* tensor its own copy.
+
+    Exact aliases (tied weights: same data, shape and strides) stay aliases of one
+    copy, so Accelerate still drops the duplicates it is meant to drop.
+    """
+    by_storage: dict[tuple, list[str]] = defaultdict(list)
+    for name, t in state_dict.items():
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            by_storage[(t.device, t.untyped_storage().data_ptr())].append(name)
+    for names in by_storage.values():
+        if len(names) < 2:
+            continue
+        copies: dict[tuple, torch.Tensor] = {}
+        for name in names:
+            t = state_dict[name]
+            key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+            if key not in copies:
+                copies[key] = t.detach().clone()
+            state_dict[name] = copies[key]
+
+
+def _save_hook(accelerator):
+    def hook(models, weights, output_dir):
+        optimizers = _zero_optimizers(accelerator)
+        if accelerator.is_main_process:
+            for state_dict in weights:
+                _own_storage(state_dict)
+        for opt in optimizers:
+            main = 0  # accelerate saves on the process with global rank 0
+            opt.consolidate_state_dict(to=main)
+            if opt._comm.rank != main:
+                # Accelerate calls state_dict() on every rank but writes only the main
+                # process's; the others get a state-less dict that is never written.
+                opt._consolidated = {}
+
+    return hook
+
+
+def _load_hook(accelerator):
+    def hook(models, input_dir):
+        # safetensors' load_model treats params sharing a storage as tied duplicates
+        # and reports them as unexpected keys: load into params that own their storage.
+        for opt in _zero_optimizers(accelerator):
+            shared: dict[int, int] = defaultdict(int)
+            for p in opt._params:
+                shared[p.untyped_storage().data_ptr()] += 1
+            for p in opt._params:
+                if shared[p.untyped_storage().data_ptr()] > 1:
+                    p.data = p.data.clone()
+
+    return hook

@@ -1,0 +1,329 @@
+"""Transformers Trainer integration: ``optim="zero_bucket"`` and :class:`ZeroBucketCallback`.
+
+Importing this module (``import hf_zero`` does) registers the optimizer name and
+adds the callback to ``transformers.trainer.DEFAULT_CALLBACKS``. Both are idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from typing import Any
+
+import torch
+import transformers
+import transformers.trainer
+import transformers.trainer_optimizer
+from transformers import PreTrainedModel, TrainerCallback
+from transformers.optimization import Adafactor
+from transformers.training_args import OptimizerNames
+
+from ..optimizer import ZeroBucketOptimizer
+from ._backward import attach_grad_averaging
+
+logger = logging.getLogger(__name__)
+
+OPTIM_NAME = "zero_bucket"
+
+# inner name -> (optimizer class, fixed kwargs, uses Adam's betas/eps, extra optim_args keys)
+_INNER: dict[str, tuple[type, dict, bool, tuple[str, ...]]] = {
+    "adamw": (torch.optim.AdamW, {}, True, ("amsgrad",)),
+    "adamw_foreach": (torch.optim.AdamW, {"foreach": True}, True, ("amsgrad",)),
+    "adamw_fused": (torch.optim.AdamW, {"fused": True}, True, ("amsgrad",)),
+    "adam": (torch.optim.Adam, {}, True, ("amsgrad",)),
+    "sgd": (torch.optim.SGD, {}, False, ("momentum", "dampening", "nesterov")),
+    "adafactor": (
+        Adafactor,
+        {"scale_parameter": False, "relative_step": False},  # as Trainer's optim="adafactor"
+        False,
+        ("scale_parameter", "relative_step", "warmup_init", "clip_threshold", "decay_rate", "beta1"),
+    ),
+}
+_COMMON_KEYS = ("inner", "shard", "bucket_view")
+_SHARDS = ("auto", "flat", "param")
+_BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+_FLOAT_KEYS = ("momentum", "dampening", "clip_threshold", "decay_rate", "beta1")
+
+
+def _bool(key: str, value: str) -> bool:
+    try:
+        return _BOOL[value.lower()]
+    except KeyError:
+        raise ValueError(f"optim_args: {key}={value!r} is not a boolean; use one of {sorted(_BOOL)}") from None
+
+
+def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
+    """Turn Trainer's parsed ``optim_args`` into ZeroBucketOptimizer keyword arguments
+    (besides the learning rate, betas, eps and weight decay, which come from the args).
+
+    Keys: ``inner`` (one of :data:`_INNER`, default ``adamw``), ``shard``
+    (``auto``/``flat``/``param``), ``bucket_view`` (bool), and the inner optimizer's
+    own options (e.g. ``momentum`` for ``sgd``). Unknown keys or values raise
+    ``ValueError`` listing the valid ones.
+    """
+    inner = optim_args.get("inner", "adamw")
+    if inner not in _INNER:
+        raise ValueError(f"optim_args: inner={inner!r} is not supported; choose one of {sorted(_INNER)}")
+    cls, fixed, _, extra = _INNER[inner]
+    valid = _COMMON_KEYS + extra
+    unknown = sorted(set(optim_args) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"optim_args: unknown key(s) {unknown} for optim='{OPTIM_NAME}' with inner={inner!r}; "
+            f"valid keys: {list(valid)}"
+        )
+    shard = optim_args.get("shard", "auto")
+    if shard not in _SHARDS:
+        raise ValueError(f"optim_args: shard={shard!r} is not valid; choose one of {list(_SHARDS)}")
+    if inner == "adamw_fused" and not _fused_available():
+        raise ValueError("optim_args: inner='adamw_fused' is not available with this torch build/device")
+    out: dict[str, Any] = {
+        "optimizer_class": cls,
+        "shard": shard,
+        "parameters_as_bucket_view": _bool("bucket_view", optim_args.get("bucket_view", "true")),
+        **fixed,
+    }
+    for key in extra:
+        if key in optim_args:
+            raw = optim_args[key]
+            if key in _FLOAT_KEYS:
+                try:
+                    out[key] = float(raw)
+                except ValueError:
+                    raise ValueError(f"optim_args: {key}={raw!r} is not a number") from None
+            else:
+                out[key] = _bool(key, raw)
+    return out
+
+
+def _fused_available() -> bool:
+    try:
+        torch.optim.AdamW([torch.zeros(1)], fused=True)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+class ZeroBucketFactory:
+    """What the ``zero_bucket`` handler returns: Trainer calls ``factory()(model, **kwargs)``.
+
+    Builds Trainer-style decay / no-decay param groups over **all** params, frozen
+    ones included (Trainer's own groups drop them, and a param missing from the
+    optimizer can never be trained after it is unfrozen).
+    """
+
+    def __call__(self, model: torch.nn.Module, *, weight_decay: float, **kwargs: Any) -> ZeroBucketOptimizer:
+        # Trainer.create_optimizer calls us directly: use that trainer's (possibly
+        # overridden) decay rules; otherwise Trainer's default rules.
+        caller = sys._getframe(1).f_locals.get("self")
+        trainer = caller if isinstance(caller, transformers.Trainer) else None
+        decay = set(transformers.Trainer.get_decay_parameter_names(trainer, model) if trainer is None
+                    else trainer.get_decay_parameter_names(model))
+        named = list(model.named_parameters())
+        groups = [
+            {
+                "params": [p for n, p in named if n in decay],
+                "param_names": [n for n, _ in named if n in decay],
+                "weight_decay": weight_decay,
+            },
+            {
+                "params": [p for n, p in named if n not in decay],
+                "param_names": [n for n, _ in named if n not in decay],
+                "weight_decay": 0.0,
+            },
+        ]
+        return ZeroBucketOptimizer(groups, **kwargs)
+
+
+def _handler(ctx) -> tuple[Any, dict[str, Any]]:
+    kwargs = parse_optim_args(ctx.optim_args)
+    kwargs.update(ctx.optimizer_kwargs)  # lr
+    if _INNER[ctx.optim_args.get("inner", "adamw")][2]:
+        kwargs.update(ctx.adam_kwargs)  # betas, eps
+    kwargs["weight_decay"] = ctx.args.weight_decay
+    return ZeroBucketFactory, kwargs
+
+
+def _extend_optimizer_names() -> None:
+    """Add ``ZERO_BUCKET = "zero_bucket"`` to ``OptimizerNames`` in place.
+
+    A real member (not a string alias): ``OptimizerNames("zero_bucket")`` validates,
+    ``HfArgumentParser`` lists it among ``--optim`` choices (when built after this
+    import), and args survive ``to_dict``/JSON/pickle in any process that imported
+    hf_zero.
+    """
+    if OPTIM_NAME in OptimizerNames._value2member_map_:
+        return
+    member = str.__new__(OptimizerNames, OPTIM_NAME)
+    member._name_ = "ZERO_BUCKET"
+    member._value_ = OPTIM_NAME
+    member.__objclass__ = OptimizerNames
+    type.__setattr__(OptimizerNames, "ZERO_BUCKET", member)
+    OptimizerNames._member_map_["ZERO_BUCKET"] = member
+    OptimizerNames._value2member_map_[OPTIM_NAME] = member
+    OptimizerNames._member_names_.append("ZERO_BUCKET")
+
+
+def register() -> None:
+    """Register ``optim="zero_bucket"`` and the default callback. Idempotent."""
+    _extend_optimizer_names()
+    transformers.trainer_optimizer._OPTIMIZER_HANDLERS[OptimizerNames(OPTIM_NAME)] = _handler
+    if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
+        transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
+
+
+def _ours(optimizer) -> ZeroBucketOptimizer | None:
+    """The ZeroBucketOptimizer inside Accelerate's wrapper(s), or None."""
+    seen = 0
+    while optimizer is not None and not isinstance(optimizer, ZeroBucketOptimizer) and seen < 8:
+        optimizer = getattr(optimizer, "optimizer", None)
+        seen += 1
+    return optimizer if isinstance(optimizer, ZeroBucketOptimizer) else None
+
+
+# optimizer -> the callback instance driving it (a callback passed explicitly *and*
+# added by default must not rebuild or consolidate twice)
+_DRIVER: "weakref.WeakKeyDictionary[ZeroBucketOptimizer, TrainerCallback]" = weakref.WeakKeyDictionary()
+
+
+class ZeroBucketCallback(TrainerCallback):
+    """Keeps a Trainer's ZeroBucketOptimizer right across trainability changes and saves.
+
+    Added to every Trainer by ``import hf_zero``; does nothing unless the Trainer's
+    optimizer is a :class:`~hf_zero.ZeroBucketOptimizer`. On every rank, in lockstep:
+
+    - at train begin (DDP has just been built) it records which params DDP reduces,
+      arranges for the others' grads to be averaged at the end of each backward
+      (before clipping and GradScaler see them), and builds the buffers;
+    - at each step begin it re-partitions if any ``requires_grad`` changed (freeze /
+      unfreeze from your own callbacks or code), and fails early if a param DDP
+      reduces was frozen while DDP cannot handle it (``find_unused_parameters=False``);
+    - right before a checkpoint save it consolidates the optimizer state on rank 0,
+      so ``optimizer.pt`` is complete (Trainer calls ``state_dict()`` on rank 0 only);
+    - it adds ZeRO facts (per-rank trainable elements and optimizer-state bytes,
+      rebuild count) to ``state.log_history`` at train begin and after each rebuild,
+      and to the next logged line.
+    """
+
+    def __init__(self) -> None:
+        self._rebuilds_logged = -1
+        self._pending: dict[str, Any] = {}
+        self._find_unused = True
+
+    # -- helpers ---------------------------------------------------------------------
+    def _mine(self, optimizer) -> ZeroBucketOptimizer | None:
+        opt = _ours(optimizer)
+        if opt is None or _DRIVER.get(opt) is not self:
+            return None
+        return opt
+
+    def _facts(self, opt: ZeroBucketOptimizer) -> dict[str, Any]:
+        """ZeRO facts gathered from every rank. Collective."""
+        rank = opt._comm.rank
+        elements = sum(pc.numel for pc in opt._layout.pieces(rank)) if opt._layout is not None else 0
+        state_bytes = sum(
+            v.numel() * v.element_size()
+            for hs in opt._holdings().values()
+            for h in hs
+            for v in h.state.values()
+            if isinstance(v, torch.Tensor)
+        )
+        per_rank = opt._comm.all_gather_object((elements, state_bytes))
+        elements_per_rank = [e for e, _ in per_rank]
+        bytes_per_rank = [b for _, b in per_rank]
+        mean = sum(elements_per_rank) / len(elements_per_rank)
+        return {
+            "zero_rebuilds": opt.rebuilds,
+            "zero_trainable_elements_per_rank": elements_per_rank,
+            "zero_state_bytes_per_rank": bytes_per_rank,
+            "zero_balance": round(max(elements_per_rank) / mean, 4) if mean else 1.0,
+        }
+
+    def _record(self, opt: ZeroBucketOptimizer, state) -> None:
+        if opt.rebuilds == self._rebuilds_logged:
+            return
+        facts = self._facts(opt)
+        self._rebuilds_logged = opt.rebuilds
+        state.log_history.append({**facts, "step": state.global_step})
+        self._pending = {k: v for k, v in facts.items() if not isinstance(v, list)}
+        self._pending["zero_state_bytes_max"] = max(facts["zero_state_bytes_per_rank"])
+        if state.is_world_process_zero:
+            logger.info("hf_zero at step %d: %s", state.global_step, facts)
+
+    def _check_frozen_under_ddp(self, opt: ZeroBucketOptimizer) -> None:
+        if self._find_unused or opt._comm.world_size == 1 or opt._ddp_reduced is None:
+            return
+        frozen = [i for i, (p, reduced) in enumerate(zip(opt._params, opt._ddp_reduced)) if reduced and not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"hf_zero: {opt._name(frozen[0])} was frozen after DistributedDataParallel was built with "
+                "find_unused_parameters=False (Trainer's default with gradient checkpointing); DDP would fail "
+                "at the next iteration. Set TrainingArguments(ddp_find_unused_parameters=True) to freeze params "
+                "DDP reduces (gradient checkpointing then needs gradient_checkpointing_kwargs="
+                "{'use_reentrant': False}, transformers' default), or freeze them before the Trainer starts."
+            )
+
+    # -- events ----------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        opt = _ours(optimizer)
+        if opt is None or _DRIVER.get(opt) not in (None, self):
+            return
+        _DRIVER[opt] = self
+        self._find_unused = _ddp_find_unused(args, model)
+        attach_grad_averaging(model, opt)  # DDP was built just before this event
+        opt._prepare()
+        self._rebuilds_logged = -1
+        self._record(opt, state)
+
+    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
+        opt = self._mine(optimizer)
+        if opt is None:
+            return
+        self._check_frozen_under_ddp(opt)
+        opt._prepare()  # collective: rebuilds on every rank if any rank's trainable set changed
+        self._record(opt, state)
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        opt = self._mine(optimizer)
+        if opt is not None:
+            self._check_frozen_under_ddp(opt)  # changes made by callbacks that ran after ours
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        opt = self._mine(optimizer)
+        if opt is not None:
+            self._record(opt, state)  # the step itself rebuilds after late trainability changes
+
+    def _before_save(self, args, control, optimizer) -> None:
+        opt = self._mine(optimizer)
+        if opt is None or not control.should_save or args.save_only_model:
+            return
+        # [Note: checkpoint hook] Trainer writes optimizer.pt from rank 0's state_dict().
+        # A sharded (per-rank) checkpoint format would be written from here instead.
+        opt.consolidate_state_dict(to=0)
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self._before_save(args, control, optimizer)
+
+    def on_epoch_end(self, args, state, control, optimizer=None, **kwargs):
+        self._before_save(args, control, optimizer)
+
+    def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
+        if self._mine(optimizer) is not None and logs is not None and self._pending:
+            logs.update(self._pending)
+            self._pending = {}
+
+
+def _ddp_find_unused(args, model) -> bool:
+    """The ``find_unused_parameters`` Trainer gave DDP (``transformers/trainer.py:749-756``)."""
+    if args.ddp_find_unused_parameters is not None:
+        return bool(args.ddp_find_unused_parameters)
+    if isinstance(model, PreTrainedModel):
+        return not (
+            getattr(model, "is_activation_checkpointing", False)
+            or getattr(args, "activation_checkpointing", False)
+        )
+    return True
+
+
+register()

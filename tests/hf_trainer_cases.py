@@ -1,0 +1,136 @@
+"""Trainer runs used by tests/test_trainer.py (module-level: spawned ranks import them).
+
+A tiny float64 BERT classifier, a fixed dataset read in order (no shuffling), and a
+user callback that sets ``requires_grad`` from a schedule keyed by global step, so a
+run resumed at step k has the same trainable set as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+
+import hf_zero  # noqa: F401  (registers optim="zero_bucket")
+
+GLOBAL_BATCH = 8
+N_EXAMPLES = 32
+SEQ = 8
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = N_EXAMPLES, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(5, 50, (n, SEQ), generator=g)
+        self.labels = (self.ids[:, 0] % 3).long()
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": self.labels[i]}
+
+
+def tiny_bert() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=3,
+    )
+    return BertForSequenceClassification(config).to(torch.float64)
+
+
+class TrainabilitySchedule(TrainerCallback):
+    """At each step begin, apply the latest ``{step: {name_prefix: requires_grad}}`` entries."""
+
+    def __init__(self, schedule: dict[int, dict[str, bool]]):
+        self.schedule = schedule
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        wanted: dict[str, bool] = {}
+        for step in sorted(s for s in self.schedule if s <= state.global_step):
+            wanted.update(self.schedule[step])
+        for name, p in model.named_parameters():
+            for prefix, flag in wanted.items():
+                if name.startswith(prefix):
+                    p.requires_grad_(flag)
+
+
+def trainer_style_adamw(model, args) -> torch.optim.AdamW:
+    """The reference: torch AdamW with Trainer's decay groups over *all* params (frozen too)."""
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+
+
+def run_trainer(
+    rank,
+    world_size,
+    *,
+    output_dir,
+    optim="zero_bucket",
+    reference=False,
+    schedule=None,
+    frozen_at_build=(),
+    resume=None,
+    **overrides,
+):
+    """One Trainer run; returns (final params, log_history) from this rank."""
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
+    model = tiny_bert()
+    for name, p in model.named_parameters():
+        if name.startswith(tuple(frozen_at_build)):
+            p.requires_grad_(False)
+    grad_acc = overrides.pop("gradient_accumulation_steps", 1)
+    kwargs = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=GLOBAL_BATCH // world_size // grad_acc,
+        gradient_accumulation_steps=grad_acc,
+        max_steps=7,
+        learning_rate=1e-2,
+        weight_decay=0.1,
+        warmup_steps=2,
+        max_grad_norm=0.5,
+        optim=optim,
+        train_sampling_strategy="sequential",
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        average_tokens_across_devices=False,
+    )
+    kwargs.update(overrides)
+    args = TrainingArguments(**kwargs)
+    optimizers = (trainer_style_adamw(model, args), None) if reference else (None, None)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=TokenDataset(),
+        callbacks=[TrainabilitySchedule(schedule or {})],
+        optimizers=optimizers,
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params, trainer.state.log_history
+
+
+def run_trainer_catching(rank, world_size, **kwargs):
+    """Like run_trainer, but returns the message of a ValueError instead of raising."""
+    try:
+        run_trainer(rank, world_size, **kwargs)
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "no error"
+
+
+def run_many(rank, world_size, runs):
+    """Several runs in one spawn: ``runs`` is a list of (function name, kwargs)."""
+    return [globals()[fn](rank, world_size, **kw) for fn, kw in runs]
