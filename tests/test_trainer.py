@@ -1,0 +1,226 @@
+"""Trainer integration: optim="zero_bucket", its optim_args, and ZeroBucketCallback.
+
+Multi-process runs compare a 2-rank Trainer with optim="zero_bucket" to a 1-process
+Trainer with torch AdamW on the same global batch (float64, data read in order).
+"""
+
+import json
+import pickle
+
+import pytest
+import torch
+from transformers import HfArgumentParser, Trainer, TrainingArguments
+from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS
+from transformers.training_args import OptimizerNames
+
+import hf_zero
+from hf_zero.integrations import transformers as hf_tr
+from tests._dist import run_ranks
+from tests.hf_trainer_cases import run_many, tiny_bert
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+# Layer 1 is frozen before the Trainer (and DDP) exist and unfrozen at step 2: DDP never
+# reduces it. The embeddings (reduced by DDP) are frozen at step 3, unfrozen at step 5.
+SCHEDULE = {2: {"bert.encoder.layer.1.": True}, 3: {"bert.embeddings.": False}, 5: {"bert.embeddings.": True}}
+MAIN = dict(schedule=SCHEDULE, frozen_at_build=("bert.encoder.layer.1.",), gradient_accumulation_steps=2,
+            save_strategy="epoch")
+
+
+def _args(tmp_path, **kw):
+    return TrainingArguments(str(tmp_path), report_to=[], use_cpu=True, **kw)
+
+
+# -- registration (in process) ------------------------------------------------------------
+def test_optim_name_registered_and_round_trips(tmp_path):
+    args = _args(tmp_path, optim="zero_bucket", optim_args="inner=sgd,momentum=0.9")
+    assert args.optim == OptimizerNames.ZERO_BUCKET == "zero_bucket"
+    assert pickle.loads(pickle.dumps(args)).optim is OptimizerNames.ZERO_BUCKET
+    as_json = json.loads(args.to_json_string())
+    assert as_json["optim"] == "zero_bucket"
+    assert TrainingArguments(str(tmp_path), optim=as_json["optim"], use_cpu=True).optim is OptimizerNames.ZERO_BUCKET
+    torch.save(args, tmp_path / "training_args.bin")
+    assert torch.load(tmp_path / "training_args.bin", weights_only=False).optim is OptimizerNames.ZERO_BUCKET
+
+    parser = HfArgumentParser(TrainingArguments)
+    (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--optim", "zero_bucket", "--use_cpu"])
+    assert parsed.optim is OptimizerNames.ZERO_BUCKET
+    with pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--optim", "zero_buckt"])
+    with pytest.raises(ValueError, match="zero_buckt is not a valid OptimizerNames"):
+        _args(tmp_path, optim="zero_buckt")
+
+
+def test_registration_is_idempotent_and_keeps_builtins(tmp_path):
+    import transformers.trainer as tt
+
+    names_before = [m.value for m in OptimizerNames]
+    handlers_before = dict(_OPTIMIZER_HANDLERS)
+    hf_tr.register()
+    hf_tr.register()
+    assert [m.value for m in OptimizerNames] == names_before
+    assert names_before.count("zero_bucket") == 1
+    assert dict(_OPTIMIZER_HANDLERS) == handlers_before
+    assert tt.DEFAULT_CALLBACKS.count(hf_zero.ZeroBucketCallback) == 1
+    for name in ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor"):
+        assert _args(tmp_path, optim=name).optim == name
+        assert OptimizerNames(name) in _OPTIMIZER_HANDLERS
+
+
+def test_factory_groups_include_frozen_params_with_trainer_decay_rules(tmp_path):
+    model = tiny_bert()
+    for p in model.bert.encoder.layer[0].parameters():
+        p.requires_grad_(False)
+    args = _args(tmp_path, optim="zero_bucket", learning_rate=3e-3, weight_decay=0.05, adam_beta1=0.8,
+                 adam_beta2=0.95, adam_epsilon=1e-7)
+    trainer = Trainer(model=model, args=args)
+    opt = trainer.create_optimizer()
+    assert isinstance(opt, hf_zero.ZeroBucketOptimizer)
+    assert opt.optimizer_class is torch.optim.AdamW
+    decay = set(trainer.get_decay_parameter_names(model))
+    names = dict(model.named_parameters())
+    decay_group, plain_group = opt.param_groups
+    assert decay_group["param_names"] == [n for n in names if n in decay]
+    assert plain_group["param_names"] == [n for n in names if n not in decay]
+    assert all(not p.requires_grad for p in model.bert.encoder.layer[0].parameters())
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in model.parameters()}
+    assert (decay_group["weight_decay"], plain_group["weight_decay"]) == (0.05, 0.0)
+    for g in opt.param_groups:
+        assert g["lr"] == 3e-3 and g["betas"] == (0.8, 0.95) and g["eps"] == 1e-7
+
+
+@pytest.mark.parametrize(
+    "optim_args, inner_class, checks",
+    [
+        ("inner=adamw,shard=flat,bucket_view=true", torch.optim.AdamW, {"shard": "flat", "parameters_as_bucket_view": True}),
+        ("inner=adamw_foreach,bucket_view=false", torch.optim.AdamW, {"parameters_as_bucket_view": False}),
+        ("inner=adamw_fused,shard=param", torch.optim.AdamW, {"shard": "param"}),
+        ("inner=sgd,momentum=0.9,nesterov=true", torch.optim.SGD, {"shard": "flat"}),
+        ("inner=adafactor", hf_tr.Adafactor, {"shard": "param"}),
+    ],
+)
+def test_optim_args_pick_inner_optimizer_and_match_it(tmp_path, optim_args, inner_class, checks):
+    model = tiny_bert()
+    args = _args(tmp_path, optim="zero_bucket", optim_args=optim_args, learning_rate=1e-2, weight_decay=0.1)
+    opt = Trainer(model=model, args=args).create_optimizer()
+    assert opt.optimizer_class is inner_class
+    for attr, value in checks.items():
+        assert getattr(opt, attr) == value
+    # One step equals the plain inner optimizer built with the same hyperparameters.
+    reference_model = tiny_bert()
+    groups = [
+        {"params": [dict(reference_model.named_parameters())[n] for n in g["param_names"]],
+         **{k: v for k, v in g.items() if k not in ("params", "param_names")}}
+        for g in opt.param_groups
+    ]
+    reference = inner_class(groups)
+    for m in (model, reference_model):
+        torch.manual_seed(1)
+        m(input_ids=torch.randint(5, 50, (4, 8)), labels=torch.tensor([0, 1, 2, 0])).loss.backward()
+    opt.step()
+    reference.step()
+    for (n, p), q in zip(model.named_parameters(), reference_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-14, msg=n)
+    assert opt.param_groups[0]["params"][0].data_ptr() != reference_model.bert.embeddings.word_embeddings.weight.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "optim_args, message",
+    [
+        ("inner=adamx", r"inner='adamx' is not supported; choose one of \['adafactor', 'adam', 'adamw'"),
+        ("inner=adamw,momentum=0.9", r"unknown key\(s\) \['momentum'\].*valid keys: \['inner', 'shard', 'bucket_view', 'amsgrad'\]"),
+        ("shard=rows", r"shard='rows' is not valid; choose one of \['auto', 'flat', 'param'\]"),
+        ("bucket_view=maybe", r"bucket_view='maybe' is not a boolean"),
+        ("inner=sgd,momentum=lots", r"momentum='lots' is not a number"),
+    ],
+)
+def test_bad_optim_args_are_clear_errors(tmp_path, optim_args, message):
+    args = _args(tmp_path, optim="zero_bucket", optim_args=optim_args)
+    with pytest.raises(ValueError, match=message):
+        Trainer(model=tiny_bert(), args=args).create_optimizer()
+
+
+# -- multi-process runs ---------------------------------------------------------------------
+def _assert_params_close(got, want, atol, what):
+    assert got.keys() == want.keys()
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=atol, msg=lambda m: f"{what}: {n}: {m}")
+
+
+@pytest.mark.timeout(420)
+def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp_path):
+    main2, main1 = str(tmp_path / "main2"), str(tmp_path / "main1")
+    ckpt = str(tmp_path / "main2" / "checkpoint-4")
+    two = run_ranks(run_many, 2, [
+        ("run_trainer", dict(output_dir=main2, **MAIN)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "resume2"), resume=ckpt, **MAIN)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "steps"), save_strategy="steps", save_steps=3, max_steps=4)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "only_model"), save_strategy="steps", save_steps=2,
+                             max_steps=2, save_only_model=True)),
+        ("run_trainer_catching", dict(output_dir=str(tmp_path / "gc_default"), schedule=SCHEDULE,
+                                      gradient_checkpointing=True)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "gc_unused"), gradient_checkpointing=True,
+                             ddp_find_unused_parameters=True, **{**MAIN, "save_strategy": "no"})),
+        ("run_trainer", dict(output_dir=str(tmp_path / "bf16"), bf16=True, max_steps=3, schedule=SCHEDULE)),
+    ], timeout=400)
+    one = run_ranks(run_many, 1, [
+        ("run_trainer", dict(output_dir=main1, optim="adamw_torch", reference=True, **MAIN)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "resume1"), resume=ckpt, **MAIN)),
+    ], timeout=300)
+    (main, resumed2, steps, only_model, gc_error, gc_ok, bf16), other_rank = two[0], two[1]
+    (reference, resumed1) = one[0]
+    initial = dict(tiny_bert().named_parameters())
+
+    # Replicas agree on every rank, in every run.
+    for run0, run1 in zip(two[0], other_rank):
+        if isinstance(run0, tuple):
+            _assert_params_close(run0[0], run1[0], 0.0, "rank 1 vs rank 0")
+
+    # 2 ranks (ZeRO, grad accumulation, clipping, freezes inside and outside DDP) == 1 process AdamW.
+    _assert_params_close(main[0], reference[0], 1e-12, "zero_bucket 2 ranks vs adamw_torch 1 process")
+    moved = [n for n in initial if not torch.equal(initial[n].detach(), reference[0][n])]
+    assert "bert.encoder.layer.1.output.dense.weight" in moved and "bert.embeddings.word_embeddings.weight" in moved
+    # Unfrozen outside DDP's reducer and clipped: the grads were averaged before clipping.
+    grad_norms = [(e["step"], e["grad_norm"]) for e in main[1] if "grad_norm" in e]
+    want_norms = [(e["step"], e["grad_norm"]) for e in reference[1] if "grad_norm" in e]
+    assert [s for s, _ in grad_norms] == [s for s, _ in want_norms]
+    torch.testing.assert_close(torch.tensor([g for _, g in grad_norms]), torch.tensor([g for _, g in want_norms]),
+                               rtol=1e-10, atol=0)
+
+    # The epoch-end checkpoint's optimizer.pt (rank 0, consolidated before the save) is the
+    # reference's state dict.
+    saved = torch.load(f"{ckpt}/optimizer.pt", weights_only=True)
+    want = torch.load(f"{main1}/checkpoint-4/optimizer.pt", weights_only=True)
+    assert saved["state"].keys() == want["state"].keys() and len(saved["state"]) == len(initial)
+    for i in want["state"]:
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(saved["state"][i][k], want["state"][i][k], rtol=0, atol=1e-12)
+
+    # Resumed at step 4 on 2 ranks and on 1 rank: the uninterrupted run's weights.
+    _assert_params_close(resumed2[0], main[0], 1e-13, "resume on 2 ranks")
+    _assert_params_close(resumed1[0], main[0], 1e-12, "resume on 1 rank")
+
+    # ZeRO facts in the logs: at train begin and after each of the 3 rebuilds.
+    facts = [e for e in main[1] if "zero_trainable_elements_per_rank" in e]
+    assert [e["step"] for e in facts] == [0, 2, 3, 5]
+    assert [e["zero_rebuilds"] for e in facts] == [1, 2, 3, 4]
+    trainable = sum(p.numel() for n, p in initial.items() if not n.startswith("bert.encoder.layer.1."))
+    assert sum(facts[0]["zero_trainable_elements_per_rank"]) == trainable
+    assert facts[0]["zero_state_bytes_per_rank"] == [0, 0] and min(facts[1]["zero_state_bytes_per_rank"]) > 0
+
+    # Other save modes.
+    import os
+
+    assert os.path.exists(str(tmp_path / "steps" / "checkpoint-3" / "optimizer.pt"))
+    assert len(torch.load(str(tmp_path / "steps" / "checkpoint-3" / "optimizer.pt"), weights_only=True)["state"]) > 0
+    assert os.path.exists(str(tmp_path / "only_model" / "checkpoint-2" / "model.safetensors"))
+    assert not os.path.exists(str(tmp_path / "only_model" / "checkpoint-2" / "optimizer.pt"))
+
+    # Gradient checkpointing: DDP without find_unused_parameters cannot take a freeze.
+    assert gc_error.startswith("ValueError: hf_zero: bert.embeddings.") and "ddp_find_unused_parameters=True" in gc_error
+    assert other_rank[4] == gc_error
+    _assert_params_close(gc_ok[0], reference[0], 1e-12, "gradient checkpointing + find_unused_parameters")
+
+    # bf16 autocast runs, replicas agree (checked above) and the params moved.
+    assert all(torch.isfinite(p).all() for p in bf16[0].values())
+    assert not torch.equal(bf16[0]["classifier.weight"], initial["classifier.weight"].detach())
