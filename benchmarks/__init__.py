@@ -1,0 +1,1 @@
+"""hf_zero benchmarks: ``python -m benchmarks.run`` (see README, "Benchmarks")."""

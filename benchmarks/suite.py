@@ -1,0 +1,255 @@
+"""What every rank runs: optimizer steps, rebuilds, consolidation and the efficiency limits.
+
+Gradients are fixed random tensors, the same on every rank (as after DDP's
+all-reduce), so the optimizer step alone is measured. Every optimizer gets fresh
+params with the same initial values.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from hf_zero import ZeroBucketOptimizer
+
+from . import trainer_bench
+from .measure import (
+    CollectiveCounter, barrier, median, peak_rss_mib, reset_peak_rss, rss_mib, state_bytes, time_calls,
+)
+
+LR = 1e-4
+
+
+# Each: (family, shard, parameters_as_bucket_view). family "plain" = the
+# unsharded optimizer plain DDP runs.
+OPTIMIZERS = {
+    "unsharded": ("plain", None, None),
+    "hf_zero_flat_bv": ("hf_zero", "flat", True),
+    "hf_zero_flat_nobv": ("hf_zero", "flat", False),
+    "hf_zero_param_bv": ("hf_zero", "param", True),
+    "hf_zero_param_nobv": ("hf_zero", "param", False),
+    "torch_zero_bv": ("torch_zero", None, True),
+    "torch_zero_nobv": ("torch_zero", None, False),
+}
+CONSOLIDATE = ("hf_zero_flat_bv", "hf_zero_param_bv", "torch_zero_bv")
+
+
+def model_tensors(spec: dict) -> list[tuple[str, torch.Tensor]]:
+    """The named params (tied weights once) of a GPT-2 built from ``spec``, seeded."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    last = spec["vocab_size"] - 1
+    model = GPT2LMHeadModel(GPT2Config(**{"bos_token_id": last, "eos_token_id": last, **spec}))
+    return [(n, p.detach().clone()) for n, p in model.named_parameters()]
+
+
+def make_optimizer(kind: str, named: list[tuple[str, torch.nn.Parameter]]):
+    family, shard, bv = OPTIMIZERS[kind]
+    params = [p for _, p in named]
+    if family == "plain":
+        return torch.optim.AdamW(params, lr=LR)
+    if family == "hf_zero":
+        return ZeroBucketOptimizer(named, torch.optim.AdamW, shard=shard, parameters_as_bucket_view=bv, lr=LR)
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, parameters_as_bucket_view=bv, lr=LR)
+
+
+def _fresh(init):
+    return [(n, torch.nn.Parameter(t.clone())) for n, t in init]
+
+
+def _set_grads(named, grads):
+    def set_grads():
+        for (_, p), g in zip(named, grads):
+            p.grad = g if p.requires_grad else None
+
+    return set_grads
+
+
+def bench_rank(rank: int, world_size: int, cfg: dict) -> dict:
+    """Run every section on this rank; returns raw per-rank measurements."""
+    counter = CollectiveCounter()
+    counter.install()
+    out = {"rank": rank, "models": {}}
+    try:
+        for model_name, spec in cfg["models"].items():
+            out["models"][model_name] = _bench_model(spec, cfg, counter, rank, world_size)
+            gc.collect()
+        out["sync_limits"] = _sync_limits(cfg)
+        if cfg.get("trainer"):
+            gc.collect()
+            out["trainer"] = trainer_bench.trainer_rank(rank, world_size, cfg["trainer"])
+    finally:
+        counter.uninstall()
+    return out
+
+
+def _bench_model(spec, cfg, counter, rank, world_size) -> dict:
+    """Build every optimizer, then time their steps interleaved (same load for all)."""
+    init = model_tensors(spec)
+    g = torch.Generator().manual_seed(1)
+    grads = [torch.randn(t.shape, generator=g) * 1e-3 for _, t in init]
+    kinds = list(cfg["optimizers"])
+    res = {
+        "params": sum(t.numel() for _, t in init),
+        "tensors": len(init),
+        "largest_tensor": max(t.numel() for _, t in init),
+        "optimizers": {k: {"step_s": []} for k in kinds},
+    }
+    live = {}
+    # Built one at a time so each one's memory (fresh params, state, buffers and
+    # the transients of its warm-up steps) is its own peak over the start.
+    for kind in kinds:
+        gc.collect()
+        base = rss_mib()
+        reset_peak_rss()
+        named = _fresh(init)
+        opt = make_optimizer(kind, named)
+        set_grads = _set_grads(named, grads)
+        for _ in range(cfg["warmup"]):
+            set_grads()
+            opt.step()
+        r = res["optimizers"][kind]
+        r["peak_rss_mib"] = peak_rss_mib()
+        r["peak_rss_over_start_mib"] = peak_rss_mib() - base
+        r["state_bytes"] = state_bytes(opt)
+        live[kind] = (opt, named, set_grads)
+    # Interleaved: each round steps every optimizer once, in a rotating order.
+    for i in range(cfg["steps"]):
+        order = kinds[i % len(kinds):] + kinds[: i % len(kinds)]
+        for kind in order:
+            opt, _, set_grads = live[kind]
+            set_grads()
+            counter.reset()
+            barrier()
+            with counter.counting():
+                t0 = time.perf_counter()
+                opt.step()
+                dt = time.perf_counter() - t0
+            r = res["optimizers"][kind]
+            r["step_s"].append(dt)
+            for k, v in counter.summary(1).items():
+                r.setdefault(k, v)
+    for kind in kinds:
+        opt, named, set_grads = live[kind]
+        if kind.startswith("hf_zero"):
+            res["optimizers"][kind]["limits"] = _local_limits(opt, set_grads, cfg)
+    if world_size > 1:
+        consolidated = [k for k in CONSOLIDATE if k in live]
+        for _ in range(cfg["consolidate_reps"]):
+            for kind in consolidated:
+                res["optimizers"][kind].setdefault("consolidate", []).append(_consolidate(live[kind][0], rank))
+    for kind in kinds:
+        opt, named, set_grads = live[kind]
+        if kind.startswith("hf_zero") and kind.endswith("_bv"):
+            res["optimizers"][kind]["rebuild"] = _rebuild(opt, named, set_grads, spec, cfg)
+    live.clear()
+    return res
+
+
+def _local_limits(opt, set_grads, cfg) -> dict:
+    """hf_zero's local update and sync, each alone, vs the same work done the simplest way.
+
+    Local update: the same AdamW on one flat tensor of this rank's element count.
+    Sync: one broadcast per rank of a buffer with the same ranges (gloo's fastest
+    raw collective, DESIGN §3). The four are timed in turn, round after round.
+    """
+    n = sum(pc.numel for _, _, pc in opt._pieces)
+    flat = torch.nn.Parameter(torch.zeros(n))
+    flat.grad = torch.randn(n) * 1e-3
+    ref = torch.optim.AdamW([flat], lr=LR)
+    raw_bufs = [(torch.empty_like(opt._buffers[b]), plan.bounds) for b, plan in enumerate(opt._layout.buffers)]
+
+    def raw_sync():
+        for buf, bounds in raw_bufs:
+            _raw_broadcasts(buf, bounds)
+
+    def local():
+        set_grads()
+        opt._local_step()
+
+    calls = {"local_s": local, "flat_local_s": ref.step, "sync_s": opt._sync, "raw_sync_s": raw_sync}
+    out = {k: [] for k in calls}
+    for i in range(cfg["steps"] + 1):
+        for k, fn in calls.items():
+            barrier()
+            t0 = time.perf_counter()
+            fn()
+            if i:  # the first round warms up
+                out[k].append(time.perf_counter() - t0)
+    out["owned_elements"] = n
+    out["buffer_bytes"] = sum(b.numel() * b.element_size() for b in opt._buffers)
+    return out
+
+
+def _raw_broadcasts(buf, bounds) -> None:
+    """One broadcast per rank of its range: the fastest raw collective on gloo (DESIGN §3)."""
+    works = [dist.broadcast(buf[a:b], src=r, async_op=True) for r, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+    for w in works:
+        w.wait()
+
+
+def _rebuild(opt, named, set_grads, spec, cfg) -> dict:
+    """refresh_trainable() after freezing the first half of the blocks, then after unfreezing them."""
+    half = spec["n_layer"] // 2
+    frozen = [p for n, p in named if any(n.startswith(f"transformer.h.{i}.") for i in range(half))]
+    freeze_s, unfreeze_s = [], []
+    for _ in range(cfg["rebuild_reps"]):
+        for p in frozen:
+            p.requires_grad_(False)
+        barrier()
+        t0 = time.perf_counter()
+        opt.refresh_trainable()
+        freeze_s.append(time.perf_counter() - t0)
+        set_grads()
+        opt.step()
+        for p in frozen:
+            p.requires_grad_(True)
+        barrier()
+        t0 = time.perf_counter()
+        opt.refresh_trainable()
+        unfreeze_s.append(time.perf_counter() - t0)
+        set_grads()
+        opt.step()
+    return {"freeze_s": freeze_s, "unfreeze_s": unfreeze_s}
+
+
+def _consolidate(opt, rank) -> dict:
+    """consolidate_state_dict(to=0) on all ranks plus state_dict() on rank 0: seconds, peak MiB over start."""
+    gc.collect()
+    base = rss_mib()
+    reset_peak_rss()
+    barrier()
+    t0 = time.perf_counter()
+    opt.consolidate_state_dict(to=0)
+    sd = opt.state_dict() if rank == 0 else None
+    seconds = time.perf_counter() - t0
+    peak = peak_rss_mib() - base
+    del sd
+    return {"s": seconds, "peak_over_start_mib": peak}
+
+
+def _sync_limits(cfg) -> dict:
+    """Raw collectives on one buffer of the step benchmark's size, for reference (DESIGN §3 table)."""
+    n = cfg["raw_buffer_elements"]
+    ws = dist.get_world_size()
+    buf = torch.zeros(n - n % ws)
+    chunk = buf.numel() // ws
+    bounds = [r * chunk for r in range(ws + 1)]
+    steps = cfg["steps"]
+    part = buf[dist.get_rank() * chunk : (dist.get_rank() + 1) * chunk].clone()
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+    return {
+        "elements": buf.numel(),
+        "broadcast_per_rank_s": time_calls(lambda: _raw_broadcasts(buf, bounds), warmup=1, steps=steps),
+        "all_gather_into_tensor_s": time_calls(lambda: dist.all_gather_into_tensor(buf, part), warmup=1, steps=steps),
+        "all_reduce_s": time_calls(lambda: dist.all_reduce(buf), warmup=1, steps=steps),
+    }
+
+
+__all__ = ["bench_rank", "OPTIMIZERS", "median"]
