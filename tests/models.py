@@ -23,12 +23,14 @@ BATCH = 4  # samples per rank and step
 
 
 class MLP(nn.Module):
-    """Three linears and a (1, 3) output scale (a 2-D param with a length-1 dim)."""
+    """Three linears, a (1, 3) output scale (a 2-D param with a length-1 dim) and a
+    trainable param the forward never uses (its grad stays None: no update, no state)."""
 
     def __init__(self, dtype=torch.float64):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 8), nn.Tanh(), nn.Linear(8, 3))
         self.scale = nn.Parameter(torch.ones(1, 3))
+        self.unused = nn.Parameter(torch.ones(4))
         self.to(dtype)
 
     def forward(self, x, y):
@@ -133,17 +135,22 @@ class Setup:
         for at, frozen in self.schedule:
             if at == step:
                 for name, p in model.named_parameters():
-                    p.requires_grad_(not name.startswith(frozen) if frozen else True)
+                    p.requires_grad_(not name.startswith(frozen))
+
+    def changes_at(self, step: int) -> bool:
+        return any(at == step for at, _ in self.schedule)
 
 
 def shard_of(batch, rank: int) -> tuple:
     return tuple(t[rank * BATCH : (rank + 1) * BATCH] for t in batch)
 
 
-def train_steps(setup: Setup, model, opt, steps, *, world_size, rank=None, forward=None, set_to_none=True):
+def train_steps(
+    setup: Setup, model, opt, steps, *, world_size, rank=None, forward=None, set_to_none=True, before_step=None
+):
     """Run ``steps`` (an iterable of step numbers). ``rank=None`` is the reference: it
     trains on the global batch and, like a user of plain torch, drops frozen params'
-    grads before stepping."""
+    grads before stepping. ``before_step(step)`` runs between backward and step."""
     forward = forward or model
     for step in steps:
         setup.apply_schedule(model, step)
@@ -151,6 +158,8 @@ def train_steps(setup: Setup, model, opt, steps, *, world_size, rank=None, forwa
         if rank is not None:
             batch = shard_of(batch, rank)
         forward(*batch).backward()
+        if before_step is not None:
+            before_step(step)
         if rank is None:
             for p in model.parameters():
                 if not p.requires_grad:
