@@ -7,9 +7,10 @@ from typing import Any, Iterable
 
 import torch
 
+from . import checkpoint
 from .comm import Comm, fingerprint
 from .layout import Layout, ParamSpec, Piece, plan_layout
-from .state import Holding, Holdings, redistribute, shape_as, split_canonical
+from .state import Holding, Holdings, redistribute, shape_as
 
 _ELEMENTWISE = (
     torch.optim.SGD,
@@ -131,6 +132,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         self._parked: Holdings = {}
         self._consolidated: dict | None = None
         self._has_state = False
+        self._state_version = 0  # bumped whenever state values change (see checkpoint.ShardedState)
+        self._names_by_id: dict[int, str] = {}
         self._grads_averaged = False
         self.rebuilds = 0
         self._ready = True
@@ -177,6 +180,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         self._grads_averaged = False
         self._has_state = True
         self._consolidated = None
+        self._state_version += 1
         return loss
 
     def refresh_trainable(self) -> None:
@@ -380,17 +384,24 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
                     }
 
     # -- state dict ------------------------------------------------------------------
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the full optimizer state on rank ``to`` for :meth:`state_dict`. Collective."""
+    def consolidate_state_dict(self, to: int = 0, *, device: str | torch.device | None = None) -> None:
+        """Gather the full optimizer state on rank ``to`` for :meth:`state_dict`. Collective.
+
+        State moves with tensor collectives, a bounded round at a time: rank ``to``
+        needs about the full state once (plus one round), the others about their
+        own shard. ``device="cpu"`` gathers into CPU memory (default: each param's
+        device).
+        """
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"to must be a rank in [0, {self._comm.world_size}), got {to}")
+        target = None if device is None else torch.device(device)
         numels = {i: p.numel() for i, p in enumerate(self._params)}
         got = redistribute(
             self._comm,
             self._holdings(),
             lambda indices: {i: [(to, 0, numels[i])] for i in indices},
             numels=numels,
-            device_of=lambda i: self._params[i].device,
+            device_of=lambda i: target or self._params[i].device,
             names=self._name,
             piece_shape=lambda i, start, stop: tuple(self._params[i].shape),
         )
@@ -402,84 +413,76 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """A dict a plain ``optimizer_class`` over the same params would return.
 
-        Never a collective. On several ranks call :meth:`consolidate_state_dict`
-        first (on all ranks) and read this on the rank it gathered to.
+        Never a collective. On one rank, or before any state exists, it is complete.
+        On several ranks call :meth:`consolidate_state_dict` (on all ranks) after the
+        last step and read this on the rank it gathered to. Otherwise ``"state"`` is
+        a :class:`~hf_zero.checkpoint.ShardedState`: reading, pickling or saving it
+        raises an error naming that fix, and only this optimizer's
+        :meth:`load_state_dict` accepts it, keeping the state each rank holds (so
+        Accelerate's ``state_dict()``/``load_state_dict()`` round trip in
+        ``AcceleratedOptimizer.__init__`` works at any point of training).
         """
+        sharded = None
         if self._consolidated is None:
             if self._comm.world_size == 1:
                 self.consolidate_state_dict(0)
             elif self._has_state:
-                raise RuntimeError(
-                    "hf_zero: optimizer state is sharded over ranks; call "
-                    "optimizer.consolidate_state_dict(to=RANK) on all ranks since the last step, "
-                    "then state_dict() on RANK"
-                )
+                sharded = checkpoint.ShardedState(self, self._state_version, self._comm.world_size)
         index, groups = 0, []
         for g in self.param_groups:
             packed = {k: v for k, v in g.items() if k != "params"}
             packed["params"] = list(range(index, index + len(g["params"])))
             index += len(g["params"])
             groups.append(packed)
-        return {"state": dict(self._consolidated or {}), "param_groups": groups}
+        state = sharded if sharded is not None else dict(self._consolidated or {})
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full (PyTorch-format) state dict; each rank keeps what it owns.
 
-        Works on any world size and shard mode; every rank must pass the same dict.
+        Works on any world size and shard mode; every rank must pass the same dict
+        (it may live on the CPU: only this rank's pieces are copied to the device).
+        A dict of another model (group sizes, ``param_names``, state shapes) or
+        another optimizer class raises ``ValueError`` listing the mismatches, and
+        nothing changes. Not a collective.
         """
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(
-                f"loaded state dict has {len(groups)} param groups, this optimizer has {len(self.param_groups)}"
-            )
-        for gi, (g, mine) in enumerate(zip(groups, self.param_groups)):
-            if len(g["params"]) != len(mine["params"]):
-                raise ValueError(
-                    f"param group {gi}: loaded state dict has {len(g['params'])} params, "
-                    f"this optimizer has {len(mine['params'])}"
-                )
-        ids = [i for g in groups for i in g["params"]]
-        position = {saved: i for i, saved in enumerate(ids)}
-        state = {}
-        for saved, value in state_dict["state"].items():
-            if saved not in position:
-                raise ValueError(f"loaded state dict has state for unknown param id {saved}")
-            state[position[saved]] = value
-        if self.shard == "flat":
-            for i, value in state.items():
-                shape = tuple(self._params[i].shape)
-                for k, v in value.items():
-                    if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != shape:
-                        raise ValueError(
-                            f"state {k!r} of param {self._name(i)} has shape {tuple(v.shape)}, not the "
-                            f"param's {shape}: shard='flat' cannot split it (use shard='param')"
-                        )
+        checkpoint.load_state_dict(self, state_dict)
 
-        for g, mine in zip(groups, self.param_groups):
-            for k, v in g.items():
-                if k != "params":
-                    mine[k] = v
-        # Each rank keeps its pieces of the layout the next step will build; frozen
-        # params' state is parked whole on rank (index % world size).
-        rank, ws = self._comm.rank, self._comm.world_size
-        layout = plan_layout(self._specs(), world_size=ws, shard=self.shard)
-        held: Holdings = {}
-        for pc in layout.pieces(rank):
-            if pc.index in state:
-                p = self._params[pc.index]
-                piece_shape = tuple(p.shape) if self.shard == "param" else (pc.numel,)
-                st = split_canonical(state[pc.index], p.shape, pc.start, pc.stop, piece_shape)
-                held[pc.index] = [Holding(pc.start, pc.stop, piece_shape, self._cast(st, pc.index))]
-        slotted = layout.slots()
-        for i, st in state.items():
-            if i not in slotted and i % ws == rank:
-                p = self._params[i]
-                held[i] = [Holding(0, p.numel(), tuple(p.shape), self._cast(st, i))]
+    def save_sharded(self, path) -> None:
+        """Write a sharded checkpoint to directory ``path``: each rank its own state. Collective.
+
+        Atomic: until it returns the directory keeps its previous checkpoint. See
+        :mod:`hf_zero.checkpoint` for the format and ``hf-zero consolidate`` / ``inspect``.
+        """
+        checkpoint.save_sharded(self, path)
+
+    def load_sharded(self, path) -> None:
+        """Load a sharded checkpoint written on any world size and shard mode. Collective.
+
+        Each rank reads only the ranges it will own. A checkpoint of another model or
+        optimizer class raises ``ValueError`` listing the mismatches; nothing changes.
+        """
+        checkpoint.load_sharded(self, path)
+
+    def _set_param_names(self, named_params) -> None:
+        """Name params for checkpoints from ``(name, param)`` pairs, e.g. ``model.named_parameters()``."""
+        self._names_by_id = {id(p): n for n, p in named_params}
+
+    def _adopt_loaded(self, hyperparams: list[dict], held: Holdings | None, has_state: bool = False) -> None:
+        """Take loaded hyperparameters and this rank's loaded state (None: keep the current state)."""
+        for mine, hp in zip(self.param_groups, hyperparams):
+            mine.update(hp)
+        # Every rank loads, and at the next step every rank rebuilds through
+        # redistribute: whether it has to must not depend on what this rank holds.
+        self._layout = None
+        if held is None:
+            return
         self._parked = held
         self._inner, self._pieces = None, []
-        self._mask = None  # the next step rebuilds and places the parked state
-        self._has_state = self._has_state or bool(state)
+        self._mask = None
+        self._has_state = has_state
         self._consolidated = None
+        self._state_version += 1
 
     def _cast(self, state: dict, i: int) -> dict:
         """Copy loaded values to param ``i``'s device and dtype, as torch's load_state_dict does."""

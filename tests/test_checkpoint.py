@@ -1,0 +1,418 @@
+"""Checkpoints: state_dict / load_state_dict, sharded save / load, atomic writes.
+
+One training run per optimizer (AdamW, SGD with momentum, Adafactor) is split into
+stages on world sizes 1 -> 2 -> 3 -> 1, each stage with another shard mode and
+bucket-view setting, each loading the previous stage's sharded checkpoint, with
+params frozen and unfrozen between and across stages. After every load the
+consolidated state equals, exactly, the one saved; at every stage params and state
+equal a single-process run of the plain optimizer (float64).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hf_zero import ZeroBucketOptimizer
+from hf_zero import checkpoint as ckpt
+from tests._dist import run_ranks
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Net(nn.Module):
+    """Params of odd sizes (flat ranges straddle them) and a (1, 3) one (Adafactor factors it)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 3)
+        self.scale = nn.Parameter(torch.ones(1, 3))
+        self.double()
+
+    def forward(self, x):
+        return ((self.b(torch.tanh(self.a(x))) * self.scale) ** 2).mean()
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 5, generator=torch.Generator().manual_seed(100 + step), dtype=torch.float64)
+
+
+def _schedule(model: Net, step: int) -> None:
+    """a.weight is frozen for steps 3-5; b.bias from step 6 on."""
+    model.a.weight.requires_grad_(not 3 <= step < 6)
+    model.b.bias.requires_grad_(step < 6)
+
+
+def _optimizer_class(kind: str):
+    if kind == "adamw":
+        return torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}
+    if kind == "sgd":
+        return torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9}
+    from transformers.optimization import Adafactor
+
+    return Adafactor, {"lr": 1e-2, "relative_step": False, "scale_parameter": False, "warmup_init": False}
+
+
+# (world size, shard, parameters_as_bucket_view) of each stage, per optimizer
+STAGES = {
+    "adamw": [(1, "flat", True), (2, "param", False), (3, "flat", False), (1, "param", True)],
+    "sgd": [(1, "param", False), (2, "flat", True), (3, "param", True), (1, "flat", False)],
+    "adafactor": [(1, "param", True), (2, "param", False), (3, "param", True), (1, "param", False)],
+}
+STEPS = [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+
+
+def _train(model, opt, steps) -> None:
+    for s in steps:
+        _schedule(model, s)
+        model(_batch(s)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _zero(model, kind, shard, view) -> ZeroBucketOptimizer:
+    cls, kw = _optimizer_class(kind)
+    return ZeroBucketOptimizer(model.named_parameters(), cls, shard=shard, parameters_as_bucket_view=view, **kw)
+
+
+def _consolidated(opt) -> dict | None:
+    opt.consolidate_state_dict(to=0, device="cpu")
+    return opt.state_dict() if opt._comm.rank == 0 else None
+
+
+def _params(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _stage(rank, world_size, stage, directory, params, previous):
+    """Load the previous stage's checkpoint (and, separately, its full state dict), train, save."""
+    out = {}
+    for kind, configs in STAGES.items():
+        _, shard, view = configs[stage]
+        steps = STEPS[stage]
+        model = Net()
+        model.load_state_dict(params[kind])
+        opt = _zero(model, kind, shard, view)
+        _schedule(model, steps.start)  # load into the trainable set of the next step
+        loaded = loaded_full = None
+        if stage > 0:
+            opt.load_sharded(os.path.join(directory, f"{kind}-{stage - 1}"))
+            loaded = _consolidated(opt)
+            other = _zero(Net(), kind, shard, view)
+            other.load_state_dict(previous[kind])
+            loaded_full = _consolidated(other)
+        _train(model, opt, steps)
+        opt.save_sharded(os.path.join(directory, f"{kind}-{stage}"))
+        out[kind] = {"loaded": loaded, "loaded_full": loaded_full, "saved": _consolidated(opt), "params": _params(model)}
+    return out
+
+
+def _reference(kind) -> list[tuple[dict, dict]]:
+    """(params, state_dict) of the plain optimizer after each stage."""
+    model = Net()
+    cls, kw = _optimizer_class(kind)
+    opt = cls(model.named_parameters(), **kw)
+    out = []
+    for steps in STEPS:
+        _train(model, opt, steps)
+        out.append((_params(model), copy.deepcopy(opt.state_dict())))
+    return out
+
+
+def assert_state_equal(actual: dict, expected: dict, *, exact: bool = True) -> None:
+    assert actual["param_groups"] == expected["param_groups"]
+    assert sorted(actual["state"]) == sorted(expected["state"])
+    for i, st in expected["state"].items():
+        assert sorted(actual["state"][i]) == sorted(st), i
+        for k, v in st.items():
+            got = actual["state"][i][k]
+            if isinstance(v, torch.Tensor):
+                assert got.dtype == v.dtype and got.shape == v.shape, (i, k)
+                if exact:
+                    assert torch.equal(got, v), (i, k)
+                else:
+                    torch.testing.assert_close(got, v, rtol=1e-12, atol=1e-14, msg=f"param {i} {k}")
+            else:
+                assert got == v, (i, k)
+
+
+def _assert_params_close(actual: dict, expected: dict) -> None:
+    for k, v in expected.items():
+        torch.testing.assert_close(actual[k], v, rtol=1e-12, atol=1e-14, msg=k)
+
+
+@pytest.mark.timeout(150)
+def test_round_trips_across_world_sizes_modes_views_and_trainability(tmp_path):
+    refs = {kind: _reference(kind) for kind in STAGES}
+    params = {kind: _params(Net()) for kind in STAGES}
+    previous = None
+    for stage in range(len(STEPS)):
+        world_size = STAGES["adamw"][stage][0]
+        if world_size == 1:
+            results = [_stage(0, 1, stage, str(tmp_path), params, previous)]
+        else:
+            results = run_ranks(_stage, world_size, stage, str(tmp_path), params, previous, timeout=120)
+        got = results[0]
+        for kind in STAGES:
+            r = got[kind]
+            if stage > 0:
+                assert_state_equal(r["loaded"], previous[kind])  # nothing lost, exactly
+                assert_state_equal(r["loaded_full"], previous[kind])
+            ref_params, ref_state = refs[kind][stage]
+            assert_state_equal(r["saved"], ref_state, exact=False)
+            _assert_params_close(r["params"], ref_params)
+            for other in results[1:]:  # replicas agree
+                for k, v in r["params"].items():
+                    assert torch.equal(other[kind]["params"][k], v)
+        previous = {kind: got[kind]["saved"] for kind in STAGES}
+        params = {kind: got[kind]["params"] for kind in STAGES}
+    # every file written loads without pickles
+    from safetensors.torch import load_file
+
+    for entry in sorted(os.listdir(tmp_path)):
+        for name in os.listdir(tmp_path / entry):
+            path = tmp_path / entry / name
+            if name.endswith(".safetensors"):
+                assert load_file(path)
+            else:
+                assert name == ckpt.COMMIT_FILE
+                json.loads(path.read_text())
+
+
+# -- Accelerate's init round trip ----------------------------------------------------------
+def _accelerate_round_trip(rank, world_size):
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)
+    model = Net()
+    opt = _zero(model, "adamw", "flat", True)
+    AcceleratedOptimizer(opt)  # step 0: no state anywhere
+    _train(model, opt, range(0, 2))
+    before = _consolidated(opt)
+    wrapped = AcceleratedOptimizer(opt)  # mid-training, nothing consolidated
+    after = _consolidated(opt)
+    _train(model, wrapped, range(2, 4))
+
+    sharded = opt.state_dict()
+    errors = []
+    for attempt in (lambda: torch.save(sharded, os.devnull), lambda: sharded["state"][0], lambda: len(sharded["state"])):
+        try:
+            attempt()
+        except RuntimeError as e:
+            errors.append(str(e))
+    _train(model, opt, range(4, 5))
+    try:
+        opt.load_state_dict(sharded)  # taken before the last step: stale
+    except ValueError as e:
+        errors.append(str(e))
+    final = _consolidated(opt)
+    return before, after, errors, final, _params(model)
+
+
+@pytest.mark.timeout(90)
+def test_accelerate_init_round_trip_at_step_0_and_mid_training():
+    results = run_ranks(_accelerate_round_trip, 2, timeout=80)
+    before, after, errors, final, params = results[0]
+    assert_state_equal(after, before)
+    assert len(errors) == 4 and all("consolidate_state_dict" in e for e in errors), errors
+    model = Net()
+    cls, kw = _optimizer_class("adamw")
+    ref = cls(model.named_parameters(), **kw)
+    _train(model, ref, range(0, 5))
+    assert_state_equal(final, ref.state_dict(), exact=False)
+    _assert_params_close(params, _params(model))
+    for _, _, errs, _, p in results[1:]:
+        assert len(errs) == 4
+        for k, v in p.items():
+            assert torch.equal(v, params[k])
+
+
+# -- single process ------------------------------------------------------------------------
+def _trained(kind="adamw", steps=range(0, 2), **kw):
+    model = Net()
+    opt = _zero(model, kind, kw.get("shard", "auto"), kw.get("view", True))
+    _train(model, opt, steps)
+    return model, opt
+
+
+def test_state_dict_is_never_a_collective_and_complete_on_one_rank():
+    model, opt = _trained()
+    sd = opt.state_dict()
+    assert isinstance(sd["state"], dict) and len(sd["state"]) == 5
+    fresh = _zero(Net(), "adamw", "flat", True)
+    assert fresh.state_dict()["state"] == {}
+
+
+def test_load_state_dict_of_another_model_or_optimizer_raises_and_changes_nothing(tmp_path):
+    model, opt = _trained()
+    sd = opt.state_dict()
+    before = opt.state_dict()
+
+    class Other(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(5, 6)
+            self.c = nn.Linear(6, 3)
+            self.scale = nn.Parameter(torch.ones(1, 3))
+            self.double()
+
+    other_model = Other()
+    other = ZeroBucketOptimizer(other_model.named_parameters(), torch.optim.AdamW, lr=1e-2)
+    other_before = other.state_dict()
+    with pytest.raises(ValueError) as e:
+        other.load_state_dict(sd)
+    msg = str(e.value)
+    assert "nothing was loaded" in msg and "'b.weight'" in msg and "'c.weight'" in msg and "shape" in msg
+    assert other.state_dict() == other_before
+
+    sgd = ZeroBucketOptimizer(Net().named_parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="another optimizer class"):
+        sgd.load_state_dict(sd)
+
+    opt.save_sharded(tmp_path / "ck")
+    with pytest.raises(ValueError) as e:
+        other.load_sharded(tmp_path / "ck")
+    msg = str(e.value)
+    assert "b.weight (shape (3, 7)) is not in this optimizer" in msg
+    assert "c.weight (group 0, shape (3, 6)) is not in the checkpoint" in msg
+    assert "a.weight (group 0, shape (6, 5)): shape (7, 5) in the checkpoint" in msg
+    with pytest.raises(ValueError, match="optimizer class: the checkpoint has torch.optim.adamw.AdamW"):
+        sgd.load_sharded(tmp_path / "ck")
+    assert other.state_dict() == other_before
+    # a failed load left the trained optimizer's state as it was
+    with pytest.raises(ValueError):
+        opt.load_state_dict({"state": sd["state"], "param_groups": sd["param_groups"][:0]})
+    assert_state_equal(opt.state_dict(), before)
+
+
+def test_unnamed_params_match_by_position_and_shape(tmp_path):
+    model, opt = _trained()
+    opt.save_sharded(tmp_path / "ck")
+    plain = ZeroBucketOptimizer(list(Net().parameters()), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    plain.load_sharded(tmp_path / "ck")  # checkpoint has names, this optimizer none: by index
+    assert_state_equal(plain.state_dict(), opt.state_dict())
+    swapped = nn.ParameterList([nn.Parameter(torch.zeros(7, 5, dtype=torch.float64)) for _ in range(5)])
+    bad = ZeroBucketOptimizer(list(swapped), torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(ValueError, match=r"#2 .*shape \(7,\) in the checkpoint"):
+        bad.load_sharded(tmp_path / "ck")
+
+
+def test_set_param_names_keys_checkpoints_by_model_names(tmp_path):
+    model = Net()
+    opt = ZeroBucketOptimizer(list(model.parameters()), torch.optim.AdamW, lr=1e-2)
+    opt._set_param_names(model.named_parameters())
+    _train(model, opt, range(2))
+    opt.save_sharded(tmp_path / "ck")
+    record = json.loads((tmp_path / "ck" / ckpt.COMMIT_FILE).read_text())
+    assert [p["name"] for p in record["params"]] == [n for n, _ in model.named_parameters()]
+
+
+def test_loaded_step_stays_where_fused_adamw_needs_it_and_cpu_dicts_load():
+    model, opt = _trained()
+    sd = opt.state_dict()
+    fused = ZeroBucketOptimizer(Net().named_parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
+    sd_fused = {"state": sd["state"], "param_groups": [dict(g, fused=True) for g in sd["param_groups"]]}
+    fused.load_state_dict(sd_fused)
+    for hs in fused._parked.values():
+        for h in hs:
+            assert h.state["step"].dtype == torch.float32 and h.state["step"].device == h.state["exp_avg"].device
+    m2 = Net()
+    m2.load_state_dict(model.state_dict())
+    fused2 = ZeroBucketOptimizer(m2.named_parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
+    fused2.load_state_dict(sd_fused)
+    _train(m2, fused2, range(2, 3))  # steps
+    _train(model, opt, range(2, 3))
+    _assert_params_close(_params(m2), _params(model))
+
+
+def test_consolidated_state_dict_saves_and_loads_weights_only(tmp_path):
+    model, opt = _trained("adafactor", shard="param")
+    path = tmp_path / "opt.pt"
+    ckpt.save_state_dict(opt.state_dict(), path)
+    assert_state_equal(torch.load(path, weights_only=True), opt.state_dict())
+
+
+def test_inspect_and_offline_consolidate_of_a_missing_checkpoint_name_the_problem(tmp_path):
+    with pytest.raises(ValueError, match="no sharded optimizer checkpoint"):
+        ckpt.consolidate_checkpoint(tmp_path)
+    model, opt = _trained()
+    opt.save_sharded(tmp_path)
+    record = json.loads((tmp_path / ckpt.COMMIT_FILE).read_text())
+    shard = tmp_path / record["files"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:-8])  # truncated after the commit: never loads silently
+    with pytest.raises(ValueError, match="commit record says"):
+        opt.load_sharded(tmp_path)
+
+
+# -- interrupted saves ----------------------------------------------------------------
+_KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+    sys.path.insert(0, {root!r})
+    import safetensors.torch
+    from hf_zero import checkpoint
+    from tests.test_checkpoint import Net, _train, _zero
+
+    where = sys.argv[1]
+    def die():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    real_save, real_replace, real_remove = safetensors.torch.save_file, os.replace, checkpoint._remove_stale
+    def save_file(tensors, path, metadata=None):
+        real_save(tensors, path, metadata=metadata)
+        if where == "shard":
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+            die()
+    def replace(src, dst):
+        if where == "commit" and dst.endswith(checkpoint.COMMIT_FILE):
+            die()
+        real_replace(src, dst)
+    def remove_stale(path, token):
+        if where == "cleanup":
+            die()
+        real_remove(path, token)
+    safetensors.torch.save_file = save_file
+    checkpoint.os.replace = replace
+    checkpoint._remove_stale = remove_stale
+
+    model = Net()
+    opt = _zero(model, "adamw", "flat", True)
+    _train(model, opt, range(0, 4))
+    opt.save_sharded(sys.argv[2])
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_save_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
+    model, opt = _trained(steps=range(0, 2))
+    directory = tmp_path / "ck"
+    opt.save_sharded(directory)
+    old = opt.state_dict()
+    model4, opt4 = _trained(steps=range(0, 4))
+    new = opt4.state_dict()
+    script = tmp_path / "killer.py"
+    script.write_text(_KILLER.format(root=_ROOT))
+    for where, expected in (("shard", old), ("commit", old), ("cleanup", new)):
+        proc = subprocess.run([sys.executable, str(script), where, str(directory)], timeout=100, capture_output=True)
+        assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+        fresh = _zero(Net(), "adamw", "param", False)
+        fresh.load_sharded(directory)
+        assert_state_equal(fresh.state_dict(), expected)
+    opt.save_sharded(directory)  # a later save commits and clears the debris
+    assert sorted(os.listdir(directory)) == sorted(
+        [ckpt.COMMIT_FILE] + [f["file"] for f in json.loads((directory / ckpt.COMMIT_FILE).read_text())["files"]]
+    )
