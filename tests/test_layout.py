@@ -1,0 +1,146 @@
+"""The layout planner as a pure function: ownership, balance, and torch's partition as a floor."""
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_zero.layout import ParamSpec, plan_layout, torch_zero_loads
+
+ALIGN_BYTES = 64
+
+
+@functools.cache
+def gpt2_specs(trainable: str) -> tuple[ParamSpec, ...]:
+    """GPT-2 small (124M), built on the meta device. ``trainable``: ``"all"`` or
+    ``"last-2-blocks+head"`` (the head is tied to the token embedding)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024))
+    keep = ("transformer.h.10.", "transformer.h.11.", "transformer.ln_f.", "transformer.wte.")
+    return tuple(
+        ParamSpec(p.numel(), p.dtype, str(p.device), trainable == "all" or name.startswith(keep))
+        for name, p in model.named_parameters()
+    )
+
+
+def check_ownership(specs, layout) -> None:
+    """Every trainable element is owned by exactly one rank; nothing else is owned."""
+    ws = layout.world_size
+    covered = {i: [] for i, s in enumerate(specs) if s.trainable and s.numel > 0}
+    keys = [(b.device, b.dtype) for b in layout.buffers]
+    assert len(keys) == len(set(keys)) == len({(s.device, s.dtype) for i, s in enumerate(specs) if i in covered})
+    for b, buf in enumerate(layout.buffers):
+        assert len(buf.bounds) == ws + 1 and buf.bounds[0] == 0 and buf.bounds[-1] == buf.size
+        assert all(lo <= hi for lo, hi in zip(buf.bounds, buf.bounds[1:]))
+        ends = sorted((s.offset, s.offset + s.numel) for s in buf.slots)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(ends, ends[1:])), "slots overlap"
+        assert not ends or ends[-1][1] <= buf.size
+    slots = layout.slots()
+    assert set(slots) == set(covered), "slots must be exactly the trainable, non-empty params"
+    for rank in range(ws):
+        for pc in layout.pieces(rank):
+            buf = layout.buffers[pc.buffer]
+            lo, hi = buf.range_of(rank)
+            _, slot = slots[pc.index]
+            assert (buf.device, buf.dtype) == (specs[pc.index].device, specs[pc.index].dtype)
+            assert 0 <= pc.start < pc.stop <= specs[pc.index].numel
+            assert pc.offset == slot.offset + pc.start and lo <= pc.offset and pc.offset + pc.numel <= hi
+            covered[pc.index].append((pc.start, pc.stop))
+    for i, ranges in covered.items():
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == specs[i].numel, f"param {i} not fully owned"
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), f"param {i}: gap or overlap {ranges}"
+    assert sum(layout.owned_elements()) == sum(specs[i].numel for i in covered)
+
+
+def check_mode(specs, layout) -> None:
+    if layout.shard == "flat":
+        for buf in layout.buffers:
+            assert buf.equal_ranges
+            align = max(1, ALIGN_BYTES // buf.dtype.itemsize)
+            assert all(b % align == 0 for b in buf.bounds)
+            assert buf.size - sum(s.numel for s in buf.slots) < layout.world_size * align, "too much padding"
+    else:
+        for rank in range(layout.world_size):
+            for pc in layout.pieces(rank):
+                assert pc.start == 0 and pc.stop == specs[pc.index].numel, "param mode split a param"
+
+
+spec_strategy = st.builds(
+    ParamSpec,
+    numel=st.one_of(st.integers(0, 40), st.integers(0, 5000)),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+    device=st.sampled_from(["cpu", "cuda:0"]),
+    trainable=st.booleans(),
+    group=st.integers(0, 2),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(specs=st.lists(spec_strategy, max_size=30), world_size=st.integers(1, 9), shard=st.sampled_from(["flat", "param"]))
+def test_every_trainable_element_owned_exactly_once(specs, world_size, shard):
+    layout = plan_layout(specs, world_size=world_size, shard=shard)
+    check_ownership(specs, layout)
+    check_mode(specs, layout)
+    assert plan_layout(list(specs), world_size=world_size, shard=shard) == layout, "not a pure function"
+
+
+@settings(max_examples=300, deadline=None)
+@given(specs=st.lists(spec_strategy, max_size=30), world_size=st.integers(1, 9))
+def test_param_mode_never_worse_than_torch_partition(specs, world_size):
+    loads = plan_layout(specs, world_size=world_size, shard="param").owned_elements()
+    assert max(loads) <= max(torch_zero_loads(specs, world_size=world_size))
+
+
+GPT2_CASES = [(t, n) for t in ("all", "last-2-blocks+head") for n in (8, 64)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("trainable, world_size", GPT2_CASES)
+def test_gpt2_flat_balance(trainable, world_size):
+    specs = gpt2_specs(trainable)
+    layout = plan_layout(specs, world_size=world_size, shard="flat")
+    check_ownership(specs, layout)
+    check_mode(specs, layout)
+    assert layout.balance() <= 1.01
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("trainable, world_size", GPT2_CASES)
+def test_gpt2_param_mode_never_worse_than_torch(trainable, world_size):
+    specs = gpt2_specs(trainable)
+    layout = plan_layout(specs, world_size=world_size, shard="param")
+    check_ownership(specs, layout)
+    check_mode(specs, layout)
+    torch_loads = torch_zero_loads(specs, world_size=world_size)
+    assert sum(torch_loads) == sum(layout.owned_elements())
+    assert max(layout.owned_elements()) <= max(torch_loads)
+
+
+def test_gpt2_frozen_params_are_not_planned():
+    specs = gpt2_specs("last-2-blocks+head")
+    trainable = sum(s.numel for s in specs if s.trainable)
+    assert trainable < sum(s.numel for s in specs) / 2  # the premise: most of the model is frozen
+    layout = plan_layout(specs, world_size=8, shard="flat")
+    assert sum(b.size for b in layout.buffers) - trainable < 8 * ALIGN_BYTES // 4
+
+
+def test_one_rank_owns_everything():
+    specs = [ParamSpec(5, torch.float32, "cpu", True), ParamSpec(3, torch.float32, "cpu", False),
+             ParamSpec(7, torch.float32, "cpu", True)]
+    for shard in ("flat", "param"):
+        layout = plan_layout(specs, world_size=1, shard=shard)
+        assert [(pc.index, pc.start, pc.stop) for pc in layout.pieces(0)] == [(0, 0, 5), (2, 0, 7)]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(world_size=0, shard="flat"), "world_size"),
+    (dict(world_size=2, shard="rows"), "shard"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        plan_layout([ParamSpec(4, torch.float32, "cpu", True)], **kwargs)
