@@ -1,4 +1,4 @@
-"""The ``hf-zero`` command: ``plan`` (and, as they land, ``consolidate`` / ``inspect``)."""
+"""The ``hf-zero`` command: ``plan``, ``consolidate`` and ``inspect``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,22 @@ def _plan(args) -> int:
     return 0
 
 
+def _consolidate(args) -> int:
+    from . import checkpoint
+
+    state_dict = checkpoint.consolidate_checkpoint(args.checkpoint)
+    checkpoint.save_state_dict(state_dict, args.output)
+    print(f"wrote {args.output}: state of {len(state_dict['state'])} params in {len(state_dict['param_groups'])} param groups")
+    return 0
+
+
+def _inspect(args) -> int:
+    from . import checkpoint
+
+    print(checkpoint.inspect_checkpoint(args.checkpoint))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-zero", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -23,6 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
                           description=planner.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     planner.add_arguments(plan)
     plan.set_defaults(handler=_plan)
+
+    merge = sub.add_parser(
+        "consolidate",
+        help="merge a sharded optimizer checkpoint into one plain PyTorch optimizer state dict (CPU, no process group)",
+        description="Merge the directory written by optimizer.save_sharded() into a torch.save'd optimizer state "
+        "dict, optimizer state included, loadable with torch.load(weights_only=True) into the plain optimizer "
+        "class or into ZeroBucketOptimizer.load_state_dict() on any world size.",
+    )
+    merge.add_argument("checkpoint", help="directory written by optimizer.save_sharded()")
+    merge.add_argument("output", help="file to write (written atomically)")
+    merge.set_defaults(handler=_consolidate)
+
+    show = sub.add_parser("inspect", help="print what a sharded optimizer checkpoint holds")
+    show.add_argument("checkpoint", help="directory written by optimizer.save_sharded()")
+    show.set_defaults(handler=_inspect)
     return parser
 
 
@@ -32,7 +63,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"hf-zero {args.command}: error: {e}", file=sys.stderr)
         return 2
 

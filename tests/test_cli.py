@@ -1,0 +1,65 @@
+"""``hf-zero consolidate`` / ``inspect`` on a checkpoint sharded over 2 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_zero.cli import main
+from tests._dist import run_ranks
+from tests.test_checkpoint import (
+    Net,
+    _assert_params_close,
+    _consolidated,
+    _optimizer_class,
+    _params,
+    _train,
+    _zero,
+    assert_state_equal,
+)
+
+
+def _save_on_two_ranks(rank, world_size, directory):
+    model = Net()
+    opt = _zero(model, "adamw", "flat", True)
+    _train(model, opt, range(0, 4))  # a.weight frozen at step 3: its state is parked
+    opt.save_sharded(directory)
+    return _params(model), _consolidated(opt)
+
+
+@pytest.mark.timeout(90)
+def test_consolidate_output_loads_into_the_plain_optimizer_and_continues(tmp_path, capsys):
+    directory, out = str(tmp_path / "ck"), str(tmp_path / "optimizer.pt")
+    params, saved = run_ranks(_save_on_two_ranks, 2, directory, timeout=80)[0]
+
+    assert main(["consolidate", directory, out]) == 0
+    merged = torch.load(out, weights_only=True)
+    assert_state_equal(merged, saved)
+
+    model = Net()
+    model.load_state_dict(params)
+    cls, kw = _optimizer_class("adamw")
+    plain = cls(model.named_parameters(), **kw)
+    plain.load_state_dict(merged)
+    _train(model, plain, range(4, 7))
+
+    ref_model = Net()
+    ref = cls(ref_model.named_parameters(), **kw)
+    _train(ref_model, ref, range(0, 7))
+    _assert_params_close(_params(model), _params(ref_model))
+    assert_state_equal(plain.state_dict(), ref.state_dict(), exact=False)
+
+    capsys.readouterr()
+    assert main(["inspect", directory]) == 0
+    shown = capsys.readouterr().out
+    for expected in ("torch.optim.adamw.AdamW", "world size      2", "shard mode      flat",
+                     "params          5 (4 trainable at save, 5 with state)", "exp_avg (float64 elementwise)",
+                     "step (float32 scalar)", "rank 1", "total bytes"):
+        assert expected in shown, shown
+
+
+def test_cli_errors_name_the_problem(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "holds no sharded optimizer checkpoint" in capsys.readouterr().err
+    assert main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "x.pt")]) == 2
+    assert "hf-zero consolidate: error" in capsys.readouterr().err
