@@ -41,6 +41,8 @@ class Comm:
             )
         self.world_size = dist.get_world_size(process_group)
         self.backend = str(dist.get_backend(process_group)).lower()
+        # See [Note: sync collective]; an attribute so tests can take either path on gloo.
+        self.sync_by_all_gather = self.backend == "nccl"
         self._globals = [
             r if process_group is None else dist.get_global_rank(process_group, r)
             for r in range(self.world_size)
@@ -65,10 +67,12 @@ class Comm:
         if self.world_size == 1:
             return
         sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-        if self.backend == "nccl" and len(set(sizes)) == 1:
+        if self.sync_by_all_gather and len(set(sizes)) == 1:
             lo, hi = bounds[self.rank], bounds[self.rank + 1]
+            # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single.
+            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             with _named("the parameter sync", self.rank):
-                dist.all_gather_into_tensor(buffer, buffer[lo:hi], group=self.group)
+                all_gather(buffer, buffer[lo:hi], group=self.group)
             return
         with _named("the parameter sync", self.rank):
             works = [
