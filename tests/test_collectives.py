@@ -1,0 +1,196 @@
+"""What a step sends: counted by wrapping torch.distributed's collectives inside each rank.
+
+A steady step (trainable set unchanged) may only sync the buffers (at most one
+broadcast per rank per buffer, or one all-gather per buffer), carrying exactly the
+buffers' bytes (trainable elements plus alignment padding: no frozen byte), plus one
+agreement all-reduce of a few bytes, plus, while params that DDP does not reduce are
+trainable, one all-reduce per dtype averaging their grads.
+"""
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hf_zero.layout import ParamSpec, plan_layout
+from tests._dist import run_ranks
+from tests.models import (
+    Setup, assert_params_equal, assert_replicas_identical, build_model, make_zero, params_of, reference_run,
+    train_steps,
+)
+
+STEPS = 8
+ALIGN_BYTES = 64
+AGREEMENT_BYTES = 24  # three int64s
+COLLECTIVES = (
+    "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+    "all_to_all", "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather", "scatter",
+    "gather_object", "scatter_object_list", "broadcast_object_list", "barrier", "monitored_barrier",
+    "send", "recv", "isend", "irecv", "batch_isend_irecv",
+)
+# Tensor argument whose bytes a rank contributes.
+_PAYLOAD_ARG = {"all_gather_into_tensor": 1, "all_gather_single": 1, "all_to_all_single": 1}
+
+
+class CollectiveCounter:
+    """Replaces torch.distributed's collectives with counting wrappers (this process only)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int]] = []
+        self._recording = False
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                setattr(dist, name, self._wrap(name, getattr(dist, name)))
+
+    def _wrap(self, name, fn):
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            if self._recording:
+                tensor = args[_PAYLOAD_ARG.get(name, 0)] if args else None
+                self.calls.append((name, tensor.nbytes if isinstance(tensor, torch.Tensor) else 0))
+            return fn(*args, **kwargs)
+
+        return counted
+
+    @contextlib.contextmanager
+    def recording(self):
+        self.calls, self._recording = [], True
+        try:
+            yield
+        finally:
+            self._recording = False
+
+
+@dataclass(frozen=True)
+class Case:
+    setup: Setup
+    all_gather: bool = False  # sync with one all-gather per buffer (NCCL's path) instead of broadcasts
+
+
+# fp32 and bf16 buffers; fp32.0 frozen throughout (its bytes must never move).
+FROZEN_BRANCH = ((0, ("fp32.0.",)),)
+# fp32.2 and bf16.2 frozen when DDP is built, trainable for steps 2-4, frozen again from 5;
+# fp32.0.weight frozen throughout.
+LATE_UNFROZEN = (
+    (0, ("fp32.0.weight", "fp32.2.", "bf16.2.")), (2, ("fp32.0.weight",)), (5, ("fp32.0.weight", "fp32.2.", "bf16.2."))
+)
+
+CASES = {
+    "flat": Case(Setup(model="mixed", schedule=FROZEN_BRANCH)),
+    "flat-no-view": Case(Setup(model="mixed", view=False, schedule=FROZEN_BRANCH)),
+    "param": Case(Setup(model="mixed", shard="param", schedule=FROZEN_BRANCH)),
+    "param-no-view": Case(Setup(model="mixed", shard="param", view=False, schedule=FROZEN_BRANCH)),
+    "flat-all-gather": Case(Setup(model="mixed", schedule=FROZEN_BRANCH), all_gather=True),
+    "flat-all-gather-no-view": Case(Setup(model="mixed", view=False, schedule=FROZEN_BRANCH), all_gather=True),
+    "unfrozen-after-ddp-build": Case(Setup(model="mixed", schedule=LATE_UNFROZEN)),
+    "unfrozen-after-ddp-build-param": Case(Setup(model="mixed", shard="param", schedule=LATE_UNFROZEN)),
+}
+
+
+def _count(rank, world_size, counter, case: Case):
+    setup = case.setup
+    model = build_model(setup.model)
+    setup.apply_schedule(model, 0)
+    opt = make_zero(setup, model)
+    ddp = DDP(model, find_unused_parameters=True)
+    if case.all_gather:
+        opt._comm.sync_by_all_gather = True
+    at_ddp_build = [p.requires_grad for p in model.parameters()]
+    steps = []
+
+    def before_step(step):
+        specs = [ParamSpec(p.numel(), p.dtype, str(p.device), p.requires_grad) for p in model.parameters()]
+        unreduced = [p for p, then in zip(model.parameters(), at_ddp_build) if p.requires_grad and not then]
+        steps.append({"specs": specs, "unreduced": [(p.numel(), p.dtype) for p in unreduced]})
+
+    class CountingOptimizer:  # step() under the counter; everything else passes through
+        def step(self):
+            with counter.recording():
+                opt.step()
+            steps[-1]["calls"] = counter.calls
+
+        def zero_grad(self, set_to_none=True):
+            opt.zero_grad(set_to_none=set_to_none)
+
+    train_steps(setup, model, CountingOptimizer(), range(STEPS), world_size=world_size, rank=rank,
+                forward=ddp, before_step=before_step)
+    return {"steps": steps, "params": params_of(model)}
+
+
+def _count_all(rank, world_size):
+    counter = CollectiveCounter()
+    return {name: _count(rank, world_size, counter, case) for name, case in CASES.items()}
+
+
+@functools.cache
+def _results(world_size):
+    return run_ranks(_count_all, world_size, timeout=200)
+
+
+def _expected_sync(specs, world_size, shard):
+    """(number of buffers, total buffer bytes) of the layout for ``specs``; checks no frozen
+    element has a slot and padding stays below one alignment unit per rank."""
+    layout = plan_layout(specs, world_size=world_size, shard=shard)
+    for buf in layout.buffers:
+        trainable = sum(s.numel for s in specs if s.trainable and s.dtype == buf.dtype)
+        assert sum(slot.numel for slot in buf.slots) == trainable
+        assert 0 <= buf.size - trainable < world_size * max(1, ALIGN_BYTES // buf.dtype.itemsize)
+    return len(layout.buffers), sum(b.size * b.dtype.itemsize for b in layout.buffers), layout
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", CASES)
+def test_steady_steps_send_only_the_buffers(name, world_size):
+    case = CASES[name]
+    per_rank = [r[name] for r in _results(world_size)]
+    changes = {at for at, _ in case.setup.schedule}
+    steady_checked = 0
+    for rank, result in enumerate(per_rank):
+        for step, record in enumerate(result["steps"]):
+            calls = record["calls"]
+            if step in changes or step == 0:
+                continue  # building or re-partitioning: metadata and state moves are expected here
+            steady_checked += 1
+            n_buffers, buffer_bytes, layout = _expected_sync(record["specs"], world_size, case.setup.shard)
+            assert n_buffers == 2, "the mixed model has an fp32 and a bf16 buffer"
+            frozen_bytes = sum(s.numel * s.dtype.itemsize for s in record["specs"] if not s.trainable)
+            assert frozen_bytes > 0, "the premise: some params are frozen"
+
+            sync = [c for c in calls if c[0] in ("broadcast", "all_gather_single", "all_gather_into_tensor")]
+            if case.all_gather:
+                assert [c[0] for c in sync] == ["all_gather_single"] * n_buffers
+                assert sum(b * world_size for _, b in sync) == buffer_bytes
+            else:
+                assert {c[0] for c in sync} == {"broadcast"}
+                assert len(sync) <= world_size * n_buffers
+                assert sum(b for _, b in sync) == buffer_bytes, "bytes synced != buffer bytes"
+
+            reduces = [b for c, b in calls if c == "all_reduce"]
+            averaging = sorted(
+                (sum(n for n, d in record["unreduced"] if d == dtype) + sum(1 for _, d in record["unreduced"] if d == dtype))
+                * dtype.itemsize
+                for dtype in {d for _, d in record["unreduced"]}
+            )
+            assert reduces[0] == AGREEMENT_BYTES, f"rank {rank} step {step}: {calls}"
+            assert sorted(reduces[1:]) == averaging, f"rank {rank} step {step}: {calls}"
+            assert len(calls) == len(sync) + len(reduces), f"rank {rank} step {step}: unexpected {calls}"
+    assert steady_checked >= 4 * world_size
+    if case.setup.schedule is LATE_UNFROZEN:
+        # the premise: params DDP does not reduce were trainable at steps 2-4 only
+        for result in per_rank:
+            assert [len(r["unreduced"]) for r in result["steps"]] == [0, 0, 4, 4, 4, 0, 0, 0]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", CASES)
+def test_counted_runs_match_reference(name, world_size):
+    per_rank = [r[name] for r in _results(world_size)]
+    assert_replicas_identical([r["params"] for r in per_rank])
+    ref_params, _ = reference_run(CASES[name].setup, world_size, STEPS)
+    assert_params_equal(per_rank[0]["params"], ref_params)
