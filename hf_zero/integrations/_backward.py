@@ -86,3 +86,36 @@ def attach_grad_averaging(model: torch.nn.Module, optimizer) -> None:
                 t.register_hook(on_output_grad)
 
     _ATTACHED[model] = model.register_forward_hook(after_forward)
+
+
+
+def guard_frozen_under_ddp(model: torch.nn.Module, optimizer, *, find_unused_parameters: bool, hint: str) -> None:
+    """Fail at the forward, on every rank, when a param DDP reduces has been frozen while
+    DDP was built with ``find_unused_parameters=False``: DDP would raise an opaque error
+    one iteration later, after a backward that left the other grads of its bucket
+    unreduced. Call when DDP has just been built; idempotent per ``model``; ``hint``
+    says what to set instead."""
+    model = unwrap_ddp(model)
+    previous = _GUARDED.pop(model, None)
+    if previous is not None:
+        previous.remove()
+    if find_unused_parameters or optimizer._comm.world_size == 1:
+        return
+    reduced = [i for i, p in enumerate(optimizer._params) if p.requires_grad]
+    opt_ref = weakref.ref(optimizer)
+
+    def before_forward(module, args):
+        opt = opt_ref()
+        if opt is None or not torch.is_grad_enabled():
+            return
+        frozen = [i for i in reduced if not opt._params[i].requires_grad]
+        if frozen:
+            raise ValueError(
+                f"hf_zero: {opt._name(frozen[0])} was frozen after DistributedDataParallel was built with "
+                f"find_unused_parameters=False, which DDP cannot handle. {hint}"
+            )
+
+    _GUARDED[model] = model.register_forward_pre_hook(before_forward)
+
+
+_GUARDED: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()

@@ -10,9 +10,14 @@ from collections import defaultdict
 import torch
 
 from ..optimizer import ZeroBucketOptimizer
-from ._backward import attach_grad_averaging, unwrap_ddp
+from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
 
 _HOOKED = "_hf_zero_hooks"
+_DDP_HINT = (
+    "To freeze params during training, build the Accelerator with "
+    "kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)], or freeze them before "
+    "accelerator.prepare()."
+)
 
 
 def _ours(optimizer) -> ZeroBucketOptimizer | None:
@@ -35,6 +40,8 @@ def prepare_accelerator(accelerator) -> None:
       (params frozen when ``prepare`` built DDP and unfrozen later), so
       ``accelerator.clip_grad_norm_`` and fp16's GradScaler see the same grads on
       every rank;
+    - fails early, with what to set, when a param DDP reduces is frozen while DDP was
+      built with ``find_unused_parameters=False`` (Accelerate's default);
     - makes ``accelerator.save_state()`` / ``load_state()`` exact: with safetensors
       (the default) Accelerate keeps only one tensor per shared storage, and bucket
       views share one; the hooks give the saved params their own storage, consolidate
@@ -61,10 +68,16 @@ def prepare_accelerator(accelerator) -> None:
         for model in accelerator._models:
             if any(id(p) in ids for p in unwrap_ddp(model).parameters()):
                 attach_grad_averaging(model, opt)
+                guard_frozen_under_ddp(model, opt, find_unused_parameters=_find_unused(accelerator), hint=_DDP_HINT)
     if not getattr(accelerator, _HOOKED, False):
         accelerator.register_save_state_pre_hook(_save_hook(accelerator))
         accelerator.register_load_state_pre_hook(_load_hook(accelerator))
         setattr(accelerator, _HOOKED, True)
+
+
+def _find_unused(accelerator) -> bool:
+    """The ``find_unused_parameters`` accelerate gives DDP (its default: False)."""
+    return bool(getattr(accelerator.ddp_handler, "find_unused_parameters", False))
 
 
 def _own_storage(state_dict: dict) -> None:

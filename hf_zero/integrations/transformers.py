@@ -20,7 +20,7 @@ from transformers.optimization import Adafactor
 from transformers.training_args import OptimizerNames
 
 from ..optimizer import ZeroBucketOptimizer
-from ._backward import attach_grad_averaging
+from ._backward import attach_grad_averaging, guard_frozen_under_ddp
 
 logger = logging.getLogger(__name__)
 
@@ -197,8 +197,10 @@ class ZeroBucketCallback(TrainerCallback):
       arranges for the others' grads to be averaged at the end of each backward
       (before clipping and GradScaler see them), and builds the buffers;
     - at each step begin it re-partitions if any ``requires_grad`` changed (freeze /
-      unfreeze from your own callbacks or code), and fails early if a param DDP
-      reduces was frozen while DDP cannot handle it (``find_unused_parameters=False``);
+      unfreeze from your own callbacks or code);
+    - a forward that follows the freezing of a param DDP reduces fails early, saying
+      what to set, when DDP cannot handle it (``find_unused_parameters=False``,
+      Trainer's default with gradient checkpointing);
     - right before a checkpoint save it consolidates the optimizer state on rank 0,
       so ``optimizer.pt`` is complete (Trainer calls ``state_dict()`` on rank 0 only);
     - it adds ZeRO facts (per-rank trainable elements and optimizer-state bytes,
@@ -209,7 +211,6 @@ class ZeroBucketCallback(TrainerCallback):
     def __init__(self) -> None:
         self._rebuilds_logged = -1
         self._pending: dict[str, Any] = {}
-        self._find_unused = True
 
     # -- helpers ---------------------------------------------------------------------
     def _mine(self, optimizer) -> ZeroBucketOptimizer | None:
@@ -251,27 +252,14 @@ class ZeroBucketCallback(TrainerCallback):
         if state.is_world_process_zero:
             logger.info("hf_zero at step %d: %s", state.global_step, facts)
 
-    def _check_frozen_under_ddp(self, opt: ZeroBucketOptimizer) -> None:
-        if self._find_unused or opt._comm.world_size == 1 or opt._ddp_reduced is None:
-            return
-        frozen = [i for i, (p, reduced) in enumerate(zip(opt._params, opt._ddp_reduced)) if reduced and not p.requires_grad]
-        if frozen:
-            raise ValueError(
-                f"hf_zero: {opt._name(frozen[0])} was frozen after DistributedDataParallel was built with "
-                "find_unused_parameters=False (Trainer's default with gradient checkpointing); DDP would fail "
-                "at the next iteration. Set TrainingArguments(ddp_find_unused_parameters=True) to freeze params "
-                "DDP reduces (gradient checkpointing then needs gradient_checkpointing_kwargs="
-                "{'use_reentrant': False}, transformers' default), or freeze them before the Trainer starts."
-            )
-
     # -- events ----------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         opt = _ours(optimizer)
         if opt is None or _DRIVER.get(opt) not in (None, self):
             return
         _DRIVER[opt] = self
-        self._find_unused = _ddp_find_unused(args, model)
         attach_grad_averaging(model, opt)  # DDP was built just before this event
+        guard_frozen_under_ddp(model, opt, find_unused_parameters=_ddp_find_unused(args, model), hint=_DDP_HINT)
         opt._prepare()
         self._rebuilds_logged = -1
         self._record(opt, state)
@@ -280,14 +268,8 @@ class ZeroBucketCallback(TrainerCallback):
         opt = self._mine(optimizer)
         if opt is None:
             return
-        self._check_frozen_under_ddp(opt)
         opt._prepare()  # collective: rebuilds on every rank if any rank's trainable set changed
         self._record(opt, state)
-
-    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        opt = self._mine(optimizer)
-        if opt is not None:
-            self._check_frozen_under_ddp(opt)  # changes made by callbacks that ran after ours
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         opt = self._mine(optimizer)
@@ -312,6 +294,13 @@ class ZeroBucketCallback(TrainerCallback):
         if self._mine(optimizer) is not None and logs is not None and self._pending:
             logs.update(self._pending)
             self._pending = {}
+
+
+_DDP_HINT = (
+    "Set TrainingArguments(ddp_find_unused_parameters=True) (with gradient checkpointing keep "
+    "gradient_checkpointing_kwargs={'use_reentrant': False}, transformers' default), or freeze the "
+    "param before the Trainer starts."
+)
 
 
 def _ddp_find_unused(args, model) -> bool:

@@ -1,0 +1,220 @@
+"""Accelerate integration: prepare() with ZeroBucketOptimizer, accumulate/clip/backward,
+save_state/load_state with bucket views, and fp16 GradScaler overflow on every rank.
+"""
+
+import os
+
+import pytest
+import torch
+
+import hf_zero
+from tests._dist import run_ranks
+from tests.hf_trainer_cases import TokenDataset, tiny_bert
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+ACC_STEPS, PER_DEVICE, STEPS, MAX_NORM, LR = 2, 2, 5, 0.5, 1e-2
+FROZEN_AT_PREPARE = "bert.encoder.layer.1."
+# optimizer step -> {name prefix: requires_grad}, applied before that step's forward
+SCHEDULE = {1: {FROZEN_AT_PREPARE: True}, 2: {"bert.embeddings.": False}, 4: {"bert.embeddings.": True}}
+
+
+def _apply(model, step):
+    for name, p in model.named_parameters():
+        for prefix, flag in SCHEDULE.get(step, {}).items():
+            if name.startswith(prefix):
+                p.requires_grad_(flag)
+
+
+def _model():
+    model = tiny_bert()
+    for name, p in model.named_parameters():
+        if name.startswith(FROZEN_AT_PREPARE):
+            p.requires_grad_(False)
+    return model
+
+
+def _groups(model):
+    named = list(model.named_parameters())
+    return [
+        {"params": [p for n, p in named if "bias" not in n], "weight_decay": 0.1},
+        {"params": [p for n, p in named if "bias" in n], "weight_decay": 0.0},
+    ]
+
+
+def _accelerator(**kwargs):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    # Freezing a param DDP reduces needs find_unused_parameters=True (DESIGN §4).
+    handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)]
+    return Accelerator(cpu=True, kwargs_handlers=handlers, **kwargs)
+
+
+def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir):
+    os.environ.update(LOCAL_RANK=str(rank), ACCELERATE_USE_CPU="1")
+    accelerator = _accelerator(gradient_accumulation_steps=ACC_STEPS)
+    model = _model()
+    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=PER_DEVICE, shuffle=False)
+    if build_before_prepare:
+        optimizer = hf_zero.ZeroBucketOptimizer(_groups(model), torch.optim.AdamW, lr=LR)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    else:
+        model = accelerator.prepare(model)
+        optimizer = hf_zero.ZeroBucketOptimizer(_groups(model.module), torch.optim.AdamW, lr=LR)
+        optimizer, loader = accelerator.prepare(optimizer, loader)
+    hf_zero.prepare_accelerator(accelerator)
+    batches = list(loader)
+
+    def train(first_step, last_step):
+        for step in range(first_step, last_step):
+            _apply(model.module, step)
+            for micro in range(ACC_STEPS):
+                with accelerator.accumulate(model):
+                    loss = model(**batches[(step * ACC_STEPS + micro) % len(batches)]).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+    def params():
+        return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+    train(0, 3)
+    inner = optimizer.optimizer
+    storages = {p.untyped_storage().data_ptr() for p in model.module.parameters() if p.requires_grad}
+    at_save = params()
+    accelerator.save_state(save_dir)
+    train(3, STEPS)
+    uninterrupted = params()
+
+    accelerator.load_state(save_dir)
+    after_load = params()
+    _apply(model.module, 2)  # the trainable set at the save
+    train(3, STEPS)
+    return {
+        "final": uninterrupted,
+        "at_save": at_save,
+        "after_load": after_load,
+        "replayed": params(),
+        "shared_storages": len(storages),
+        "rebuilds": inner.rebuilds,
+    }
+
+
+def _reference():
+    """The same loop in one process: torch AdamW, global batch, plain clipping."""
+    model = _model()
+    optimizer = torch.optim.AdamW(_groups(model), lr=LR)
+    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=PER_DEVICE * 2, shuffle=False)
+    batches = list(loader)
+    for step in range(STEPS):
+        _apply(model, step)
+        for micro in range(ACC_STEPS):
+            loss = model(**batches[(step * ACC_STEPS + micro) % len(batches)]).loss / ACC_STEPS
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _fp16_overflow_run(rank, world_size, *, overflow_step):
+    """fp16 autocast with a real GradScaler (CPU), an inf grad on rank 1 only, in a param
+    DDP does not reduce (frozen at prepare, unfrozen before the overflow step)."""
+    os.environ.update(LOCAL_RANK=str(rank), ACCELERATE_USE_CPU="1")
+    accelerator = _accelerator(mixed_precision="fp16")
+    # Accelerate creates no GradScaler on CPU; give it the CPU one so its fp16 code path runs.
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    model = _model().float()
+    optimizer = hf_zero.ZeroBucketOptimizer(_groups(model), torch.optim.AdamW, lr=LR)
+    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=4, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    hf_zero.prepare_accelerator(accelerator)
+    target = model.module.bert.encoder.layer[1].output.dense.weight
+    log = []
+    for step, batch in enumerate(loader):
+        if step == 1:
+            _apply(model.module, 1)  # unfreeze the layer DDP does not reduce
+        handle = None
+        if step == overflow_step and rank == 1:
+            handle = target.register_hook(lambda g: torch.full_like(g, float("inf")))
+        before = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+        with accelerator.autocast():
+            loss = model(**batch).loss
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        if handle is not None:
+            handle.remove()
+        changed = any(not torch.equal(before[n], p) for n, p in model.module.named_parameters())
+        log.append((accelerator.optimizer_step_was_skipped, changed, accelerator.scaler.get_scale()))
+        if step == 3:
+            break
+    return log, {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+@pytest.mark.timeout(300)
+def test_accelerate_loop_equals_one_process_and_save_load_state_is_exact(tmp_path):
+    (runs0, error0), (runs1, error1) = run_ranks(_accelerate_many, 2, str(tmp_path), timeout=280)
+    runs = [runs0, runs1]
+    assert error0 == error1
+    assert error0.startswith("hf_zero: bert.embeddings.word_embeddings.weight") and "find_unused_parameters=True" in error0
+    reference = _reference()
+    for rank_results in zip(*runs):  # built before prepare, built after prepare
+        r0, r1 = rank_results
+        for n in reference:
+            assert torch.equal(r0["final"][n], r1["final"][n]), f"replicas differ: {n}"
+            torch.testing.assert_close(r0["final"][n], reference[n], rtol=0, atol=1e-12, msg=lambda m: f"{n}: {m}")
+            # load_state restored the saved weights exactly; replaying the steps is exact.
+            assert torch.equal(r0["after_load"][n], r0["at_save"][n]), f"load_state: {n}"
+            assert torch.equal(r0["replayed"][n], r0["final"][n]), f"replay after load_state: {n}"
+        # Bucket views: trainable params shared one storage when save_state ran.
+        assert r0["shared_storages"] == 1
+        assert r0["rebuilds"] >= 4
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "before" / "model.safetensors"))
+    assert len(saved) == len(reference)  # nothing dropped for sharing storage
+
+
+def _freeze_without_find_unused(rank, world_size):
+    """Accelerate's default DDP (find_unused_parameters=False) and a freeze: a clear error."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = tiny_bert()
+    optimizer = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    hf_zero.prepare_accelerator(accelerator)
+    batch = next(iter(torch.utils.data.DataLoader(TokenDataset(), batch_size=PER_DEVICE)))
+    accelerator.backward(model(**batch).loss)
+    optimizer.step()
+    model.module.bert.embeddings.word_embeddings.weight.requires_grad_(False)
+    try:
+        model(**batch)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _accelerate_many(rank, world_size, root):
+    return [
+        _accelerate_run(rank, world_size, build_before_prepare=True, save_dir=os.path.join(root, "before")),
+        _accelerate_run(rank, world_size, build_before_prepare=False, save_dir=os.path.join(root, "after")),
+    ], _freeze_without_find_unused(rank, world_size)
+
+
+@pytest.mark.timeout(200)
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
+    (log0, params0), (log1, params1) = run_ranks(_fp16_overflow_run, 2, overflow_step=2, timeout=180)
+    assert log0 == log1
+    skipped = [s for s, _, _ in log0]
+    assert skipped == [False, False, True, False]
+    assert [changed for _, changed, _ in log0] == [True, True, False, True]
+    assert log0[2][2] == log0[1][2] / 2  # the scale backed off once, on both ranks
+    for n in params0:
+        assert torch.equal(params0[n], params1[n]), n
