@@ -231,6 +231,8 @@ def _consolidate(opt, rank) -> dict:
     seconds = time.perf_counter() - t0
     peak = peak_rss_mib() - base
     del sd
+    if hasattr(opt, "_all_state_dicts"):  # torch keeps the gathered copy until the next consolidation
+        opt._all_state_dicts = []
     return {"s": seconds, "peak_over_start_mib": peak}
 
 
