@@ -57,6 +57,34 @@ class TrainabilitySchedule(TrainerCallback):
                     p.requires_grad_(flag)
 
 
+class CpuGradScalerTrainer(Trainer):
+    """Accelerate makes no GradScaler on CPU (fp16 there is a no-op): give it torch's CPU
+    one, so ``fp16=True`` runs the same scaler code path as on a GPU."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        self.accelerator.native_amp = True
+        self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+
+class OverflowOnRank1(TrainerCallback):
+    """Makes one param's grad inf on rank 1 only, at one step; records skipped steps."""
+
+    def __init__(self, step: int, param_name: str):
+        self.step, self.param_name, self.handle, self.skipped = step, param_name, None, []
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step and torch.distributed.get_rank() == 1:
+            p = dict(model.named_parameters())[self.param_name]
+            self.handle = p.register_hook(lambda g: torch.full_like(g, float("inf")))
+
+    def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        self.skipped.append(optimizer.step_was_skipped)
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
 def trainer_style_adamw(model, args) -> torch.optim.AdamW:
     """The reference: torch AdamW with Trainer's decay groups over *all* params (frozen too)."""
     decay = set(Trainer.get_decay_parameter_names(None, model))
@@ -78,12 +106,21 @@ def run_trainer(
     schedule=None,
     frozen_at_build=(),
     resume=None,
+    overflow=None,
+    explicit_callback=False,
     **overrides,
 ):
-    """One Trainer run; returns (final params, log_history) from this rank."""
+    """One Trainer run; returns (final params, log_history, info) from this rank.
+
+    ``overflow=(step, param name)``: fp16 with a CPU GradScaler and an inf grad on rank 1
+    at that step; ``info`` then holds the per-step skip flags and the final loss scale.
+    """
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
     model = tiny_bert()
+    if overflow:
+        model = model.float()
+        overrides["fp16"] = True
     for name, p in model.named_parameters():
         if name.startswith(tuple(frozen_at_build)):
             p.requires_grad_(False)
@@ -110,16 +147,24 @@ def run_trainer(
     kwargs.update(overrides)
     args = TrainingArguments(**kwargs)
     optimizers = (trainer_style_adamw(model, args), None) if reference else (None, None)
-    trainer = Trainer(
+    callbacks = [TrainabilitySchedule(schedule or {})]
+    if explicit_callback:  # as well as the default one: must not act twice
+        callbacks.insert(0, hf_zero.ZeroBucketCallback())
+    if overflow:
+        callbacks.append(OverflowOnRank1(*overflow))
+    trainer = (CpuGradScalerTrainer if overflow else Trainer)(
         model=model,
         args=args,
         train_dataset=TokenDataset(),
-        callbacks=[TrainabilitySchedule(schedule or {})],
+        callbacks=callbacks,
         optimizers=optimizers,
     )
     trainer.train(resume_from_checkpoint=resume)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return params, trainer.state.log_history
+    info = {}
+    if overflow:
+        info = {"skipped": callbacks[-1].skipped, "scale": trainer.accelerator.scaler.get_scale()}
+    return params, trainer.state.log_history, info
 
 
 def run_trainer_catching(rank, world_size, **kwargs):

@@ -154,7 +154,8 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     two = run_ranks(run_many, 2, [
         ("run_trainer", dict(output_dir=main2, **MAIN)),
         ("run_trainer", dict(output_dir=str(tmp_path / "resume2"), resume=ckpt, **MAIN)),
-        ("run_trainer", dict(output_dir=str(tmp_path / "steps"), save_strategy="steps", save_steps=3, max_steps=4)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "steps"), save_strategy="steps", save_steps=3, max_steps=4,
+                             explicit_callback=True)),
         ("run_trainer", dict(output_dir=str(tmp_path / "only_model"), save_strategy="steps", save_steps=2,
                              max_steps=2, save_only_model=True)),
         ("run_trainer_catching", dict(output_dir=str(tmp_path / "gc_default"), schedule=SCHEDULE,
@@ -162,12 +163,15 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
         ("run_trainer", dict(output_dir=str(tmp_path / "gc_unused"), gradient_checkpointing=True,
                              ddp_find_unused_parameters=True, **{**MAIN, "save_strategy": "no"})),
         ("run_trainer", dict(output_dir=str(tmp_path / "bf16"), bf16=True, max_steps=3, schedule=SCHEDULE)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "fp16"), max_steps=5, schedule=SCHEDULE,
+                             frozen_at_build=("bert.encoder.layer.1.",),
+                             overflow=(3, "bert.encoder.layer.1.output.dense.weight"))),
     ], timeout=400)
     one = run_ranks(run_many, 1, [
         ("run_trainer", dict(output_dir=main1, optim="adamw_torch", reference=True, **MAIN)),
         ("run_trainer", dict(output_dir=str(tmp_path / "resume1"), resume=ckpt, **MAIN)),
     ], timeout=300)
-    (main, resumed2, steps, only_model, gc_error, gc_ok, bf16), other_rank = two[0], two[1]
+    (main, resumed2, steps, only_model, gc_error, gc_ok, bf16, fp16), other_rank = two[0], two[1]
     (reference, resumed1) = one[0]
     initial = dict(tiny_bert().named_parameters())
 
@@ -208,6 +212,9 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     assert sum(facts[0]["zero_trainable_elements_per_rank"]) == trainable
     assert facts[0]["zero_state_bytes_per_rank"] == [0, 0] and min(facts[1]["zero_state_bytes_per_rank"]) > 0
 
+    # A ZeroBucketCallback passed explicitly as well as the default one acts once.
+    assert len([e for e in steps[1] if "zero_rebuilds" in e]) == 1
+
     # Other save modes.
     import os
 
@@ -224,3 +231,8 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     # bf16 autocast runs, replicas agree (checked above) and the params moved.
     assert all(torch.isfinite(p).all() for p in bf16[0].values())
     assert not torch.equal(bf16[0]["classifier.weight"], initial["classifier.weight"].detach())
+
+    # fp16 with GradScaler: an inf grad on rank 1 only, in a param DDP does not reduce,
+    # skips step 4 on both ranks (no hang), and the scale backs off once on both.
+    assert fp16[2]["skipped"] == other_rank[7][2]["skipped"] == [False, False, False, True, False]
+    assert fp16[2]["scale"] == other_rank[7][2]["scale"] == 2.0**9
