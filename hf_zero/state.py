@@ -90,7 +90,7 @@ def redistribute(
                 sources.setdefault(i, []).append((start, stop, src, kinds))
     if callable(targets):
         targets = targets(set(sources))
-    # transfers: (src, dst, index, key, lo, hi, blob_numel or None), in one global order
+    # transfers: (src, dst, index, key, lo, hi, dtype, blob shape or None, target start), in one global order
     transfers = []
     plan: dict[tuple[int, int, int], list] = {}  # (index, dst, start) -> [(src, lo, hi, kinds)]
     for i in sorted(targets):
@@ -111,39 +111,20 @@ def redistribute(
                 for key in sorted(kinds):
                     kind = kinds[key]
                     if kind[0] == "e":
-                        transfers.append((src, dst, i, key, lo, hi, kind[1], None))
+                        transfers.append((src, dst, i, key, lo, hi, kind[1], None, ts))
                     elif kind[0] == "b":
                         if not (whole and lo == 0 and hi == numels[i]):
                             raise ValueError(
                                 f"hf_zero: state {key!r} of param {names(i)} has shape {kind[2]}, "
                                 "not the param's: it cannot be split across ranks (use shard='param')"
                             )
-                        transfers.append((src, dst, i, key, lo, hi, kind[1], kind[2]))
+                        transfers.append((src, dst, i, key, lo, hi, kind[1], kind[2], ts))
 
+    # This rank's new state, allocated once: received elements are copied straight in,
+    # so a receiver needs its new state once plus one round (see [Note: rounds]).
     me = comm.rank
-    received: dict[tuple, torch.Tensor] = {}
-    for dtype_name in sorted({t[6] for t in transfers}):
-        dtype = _dtype(dtype_name)
-        group = [t for t in transfers if t[6] == dtype_name]
-        send: list[list[torch.Tensor]] = [[] for _ in range(comm.world_size)]
-        recv_sizes = [0] * comm.world_size
-        for src, dst, i, key, lo, hi, _, shape in group:
-            n = hi - lo if shape is None else _numel(shape)
-            if src == me:
-                send[dst].append(_segment(held[i], key, lo, hi, shape).to(comm.device))
-            if dst == me:
-                recv_sizes[src] += n
-        packed = [torch.cat(s) if s else torch.empty(0, dtype=dtype, device=comm.device) for s in send]
-        chunks = comm.all_to_all(packed, recv_sizes, dtype=dtype, device=comm.device)
-        cursor = [0] * comm.world_size
-        for src, dst, i, key, lo, hi, _, shape in group:
-            if dst != me:
-                continue
-            n = hi - lo if shape is None else _numel(shape)
-            received[(i, key, lo)] = chunks[src][cursor[src] : cursor[src] + n]
-            cursor[src] += n
-
     out: Holdings = {}
+    dest: dict[tuple[int, int], dict[str, Any]] = {}
     for (i, dst, ts), parts in plan.items():
         if dst != me:
             continue
@@ -153,19 +134,78 @@ def redistribute(
         state: dict[str, Any] = {}
         for key, kind in parts[0][3].items():
             if kind[0] == "e":
-                t = torch.empty(te - ts, dtype=_dtype(kind[1]), device=device)
-                for _, lo, hi, _ in parts:
-                    t[lo - ts : hi - ts].copy_(received[(i, key, lo)])
-                state[key] = t.view(shape)
-            elif kind[0] == "b":
-                state[key] = received[(i, key, ts)].view(kind[2]).to(device, copy=True)
+                state[key] = torch.empty(shape, dtype=_dtype(kind[1]), device=device)
             elif kind[0] == "t":
                 _, value, dt, on_cpu = kind
                 state[key] = torch.tensor(value, dtype=_dtype(dt), device="cpu" if on_cpu else device)
-            else:
+            elif kind[0] == "v":
                 state[key] = kind[1]
+            else:
+                state[key] = None  # a blob, set on receipt (keeps the keys' order)
+        dest[(i, ts)] = state
         out.setdefault(i, []).append(Holding(ts, te, shape, state))
+
+    for dtype_name in sorted({t[6] for t in transfers}):
+        dtype = _dtype(dtype_name)
+        group = [t for t in transfers if t[6] == dtype_name]
+        for batch in _rounds(group, max(1, _ROUND_BYTES // dtype.itemsize)):
+            send: list[list[torch.Tensor]] = [[] for _ in range(comm.world_size)]
+            recv_sizes = [0] * comm.world_size
+            for src, dst, i, key, lo, hi, _, shape, ts in batch:
+                n = hi - lo if shape is None else _numel(shape)
+                if src == dst == me:  # stays here: no staging
+                    _put(dest[(i, ts)], key, lo - ts, _segment(held[i], key, lo, hi, shape), shape, device_of(i))
+                elif src == me:
+                    send[dst].append(_segment(held[i], key, lo, hi, shape).to(comm.device))
+                elif dst == me:
+                    recv_sizes[src] += n
+            packed = [torch.cat(s) if s else torch.empty(0, dtype=dtype, device=comm.device) for s in send]
+            del send
+            chunks = comm.all_to_all(packed, recv_sizes, dtype=dtype, device=comm.device)
+            del packed
+            cursor = [0] * comm.world_size
+            for src, dst, i, key, lo, hi, _, shape, ts in batch:
+                if dst != me or src == me:
+                    continue
+                n = hi - lo if shape is None else _numel(shape)
+                _put(dest[(i, ts)], key, lo - ts, chunks[src][cursor[src] : cursor[src] + n], shape, device_of(i))
+                cursor[src] += n
     return out
+
+
+def _put(state: dict, key: str, at: int, flat: torch.Tensor, blob_shape, device) -> None:
+    if blob_shape is None:
+        state[key].view(-1)[at : at + flat.numel()].copy_(flat)
+    else:
+        state[key] = flat.view(blob_shape).to(device, copy=True)
+
+
+# [Note: rounds]
+# State moves in rounds of at most _ROUND_BYTES per dtype (summed over all ranks'
+# transfers; a larger blob travels alone), so no rank ever stages more than a round
+# beyond the state it keeps: consolidating to one rank costs it the full state once,
+# the senders a round each. Every rank computes the same rounds from the same list.
+_ROUND_BYTES = 16 << 20
+
+
+def _rounds(transfers: list[tuple], budget: int) -> list[list[tuple]]:
+    """Split elementwise transfers to at most ``budget`` elements and group them into rounds
+    of at most ``budget`` staged (cross-rank) elements."""
+    rounds: list[list[tuple]] = [[]]
+    size = 0
+    for t in transfers:
+        src, dst, i, key, lo, hi, dt, shape, ts = t
+        pieces = [t] if shape is not None else [
+            (src, dst, i, key, a, min(a + budget, hi), dt, None, ts) for a in range(lo, hi, budget)
+        ]
+        for p in pieces:
+            n = 0 if src == dst else p[5] - p[4] if shape is None else _numel(shape)  # local: no staging
+            if size + n > budget and rounds[-1]:
+                rounds.append([])
+                size = 0
+            rounds[-1].append(p)
+            size += n
+    return [r for r in rounds if r]
 
 
 def _numel(shape) -> int:
