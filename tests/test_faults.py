@@ -34,7 +34,7 @@ def _torchrun(out, *extra):
 def test_sigkill_rank1_restarts_from_checkpoint_and_matches(tmp_path):
     _torchrun(str(tmp_path / "clean"))
     killed = _torchrun(str(tmp_path / "killed"), "--kill-rank", "1", "--kill-at", "6")
-    assert "SIGKILL" in killed.stderr or "Signals.SIGKILL" in killed.stderr or "exitcode  : -9" in killed.stderr
+    assert "(exitcode: -9)" in killed.stderr  # rank 1 really died, and the agent restarted it
     clean = torch.load(tmp_path / "clean" / "final.pt", weights_only=True)
     resumed = torch.load(tmp_path / "killed" / "final.pt", weights_only=True)
     for name in clean:
