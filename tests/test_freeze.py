@@ -100,8 +100,13 @@ def _train(rank, world_size, case: Case):
     mid = copy.deepcopy(opt.state_dict()) if rank == 0 else None
     train_steps(setup, model, opt, range(MID, STEPS), **kwargs)
     opt.consolidate_state_dict(to=0)
+    params = params_of(model)
+    for p in model.parameters():  # frozen ones included
+        p.grad = torch.ones_like(p)
+    opt.zero_grad(set_to_none=True)
     return {
-        "params": params_of(model),
+        "grads_cleared": all(p.grad is None for p in model.parameters()),
+        "params": params,
         "mid_state_dict": mid,
         "state_dict": opt.state_dict() if rank == 0 else None,
         "rebuilds": opt.rebuilds,
@@ -152,6 +157,7 @@ def test_schedule_matches_reference(name, world_size):
     changes = sum(1 for at, _ in case.setup.schedule if at > 0)
     assert all(r["rebuilds"] == 1 + changes for r in per_rank), [r["rebuilds"] for r in per_rank]
     assert all(r["frozen_checks"] > 0 for r in per_rank), "no frozen param was checked"
+    assert all(r["grads_cleared"] for r in per_rank), "zero_grad(set_to_none=True) left a grad"
     if case.stale_grads:
         assert all(r["stale_grads_set"] > 0 for r in per_rank)
     if case.setup.schedule[0][0] == 0:
