@@ -13,7 +13,7 @@ import torch.distributed as dist
 # torch.distributed functions that move data between ranks. Wrapping the module
 # attributes catches hf_zero's and torch ZeRO's calls alike (both call ``dist.X``).
 _COLLECTIVES = (
-    "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+    "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
     "all_to_all_single", "all_to_all", "gather", "scatter", "reduce",
     "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
 )

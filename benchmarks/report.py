@@ -143,7 +143,7 @@ def markdown(results: dict) -> str:
     env = results["environment"]
     s = results["settings"]
     lines = [
-        f"Run: `{env['command']}` on {env['date_utc']}" + (" (**smoke run: tiny models, numbers meaningless**)" if env.get("smoke") else ""),
+        f"Run: `{env['command']}` on {env['date_utc']}, checkout `{env.get('git')}`" + (" (**smoke run: tiny models, numbers meaningless**)" if env.get("smoke") else ""),
         f"Machine: {env['cpu']}, {env['cpu_count']} cores (1-min load average at start: {env['load_avg_1min_at_start']}); "
         f"Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}; "
         f"{env['backend']}, world size {env['world_size']}, {env['threads_per_rank']} thread per rank.",

@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -69,9 +70,15 @@ def environment(argv) -> dict:
         load = os.getloadavg()[0]
     except OSError:
         load = None
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python -m benchmarks.run " + " ".join(argv),
+        "git": commit,
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "load_avg_1min_at_start": load,

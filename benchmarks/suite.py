@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -245,11 +244,11 @@ def _sync_limits(cfg) -> dict:
     bounds = [r * chunk for r in range(ws + 1)]
     steps = cfg["steps"]
     part = buf[dist.get_rank() * chunk : (dist.get_rank() + 1) * chunk].clone()
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     return {
         "elements": buf.numel(),
         "broadcast_per_rank_s": time_calls(lambda: _raw_broadcasts(buf, bounds), warmup=1, steps=steps),
-        "all_gather_into_tensor_s": time_calls(lambda: dist.all_gather_into_tensor(buf, part), warmup=1, steps=steps),
+        "all_gather_s": time_calls(lambda: gather(buf, part), warmup=1, steps=steps),
         "all_reduce_s": time_calls(lambda: dist.all_reduce(buf), warmup=1, steps=steps),
     }
 
