@@ -4,16 +4,26 @@ The core (this package minus ``integrations``) imports without transformers or
 accelerate.
 """
 
+import importlib.util
+
 from .optimizer import ZeroBucketOptimizer
 from .integrations.accelerate import prepare_accelerator
 
 __all__ = ["ZeroBucketOptimizer", "prepare_accelerator"]
 
-try:  # registers optim="zero_bucket" and the Trainer callback
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # blocked (sys.modules[name] = None) or broken
+        return False
+
+
+# Without transformers the core works alone; with it, importing registers
+# optim="zero_bucket" and the Trainer callback (errors there are real and raise).
+if _importable("transformers"):
     from .integrations.transformers import ZeroBucketCallback
-except ImportError as _e:  # transformers not installed: the core works without it
-    if not (_e.name or "").split(".")[0] == "transformers":
-        raise
-else:
+
     __all__.append("ZeroBucketCallback")
+
 __version__ = "0.1.0"
