@@ -116,16 +116,27 @@ def _stage_kinds(stage, directory, params, previous):
         opt = _zero(model, kind, shard, view)
         _schedule(model, steps.start)  # load into the trainable set of the next step
         loaded = loaded_full = None
+        kept = 0
         if stage > 0:
             opt.load_sharded(os.path.join(directory, f"{kind}-{stage - 1}"))
             loaded = _consolidated(opt)
             other = _zero(Net(), kind, shard, view)
-            other.load_state_dict(previous[kind])
+            other.load_state_dict(previous[kind])  # a CPU dict: each rank copies only its pieces
+            kept = _state_elements({i: [h.state for h in hs] for i, hs in other._parked.items()})
             loaded_full = _consolidated(other)
         _train(model, opt, steps)
         opt.save_sharded(os.path.join(directory, f"{kind}-{stage}"))
-        out[kind] = {"loaded": loaded, "loaded_full": loaded_full, "saved": _consolidated(opt), "params": _params(model)}
+        out[kind] = {
+            "loaded": loaded, "loaded_full": loaded_full, "kept": kept, "saved": _consolidated(opt), "params": _params(model)
+        }
     return out
+
+
+def _state_elements(state: dict) -> int:
+    """Elements of the non-scalar state tensors in ``{index: [state dict, ...]}``."""
+    return sum(
+        v.numel() for sts in state.values() for st in sts for v in st.values() if isinstance(v, torch.Tensor) and v.dim()
+    )
 
 
 def _reference(kind) -> list[tuple[dict, dict]]:
@@ -179,6 +190,8 @@ def test_round_trips_across_world_sizes_modes_views_and_trainability(tmp_path):
             if stage > 0:
                 assert_state_equal(r["loaded"], previous[kind])  # nothing lost, exactly
                 assert_state_equal(r["loaded_full"], previous[kind])
+                full = _state_elements({i: [st] for i, st in previous[kind]["state"].items()})
+                assert sum(other[kind]["kept"] for other in results) == full  # no rank copied another's
             ref_params, ref_state = refs[kind][stage]
             assert_state_equal(r["saved"], ref_state, exact=False)
             _assert_params_close(r["params"], ref_params)
@@ -227,6 +240,10 @@ def _accelerate_round_trip(rank, world_size):
         opt.load_state_dict(sharded)  # taken before the last step: stale
     except ValueError as e:
         errors.append(str(e))
+    opt.consolidate_state_dict(to=1)
+    if rank == 1:  # as Trainer does on its main rank: no collective inside
+        assert len(opt.state_dict()["state"]) == 5
+    _train(model, opt, range(5, 6))
     final = _consolidated(opt)
     return before, after, errors, final, _params(model)
 
@@ -240,7 +257,7 @@ def test_accelerate_init_round_trip_at_step_0_and_mid_training():
     model = Net()
     cls, kw = _optimizer_class("adamw")
     ref = cls(model.named_parameters(), **kw)
-    _train(model, ref, range(0, 5))
+    _train(model, ref, range(0, 6))
     assert_state_equal(final, ref.state_dict(), exact=False)
     _assert_params_close(params, _params(model))
     for _, _, errs, _, p in results[1:]:
