@@ -25,6 +25,7 @@ def _disagree(rank, world_size, when):
     return None
 
 
+@pytest.mark.reliability("Only rank 1 freezes a layer (at step {when})", "every rank raises the same RuntimeError naming the param, within seconds, no hang")
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("when", [0, 2])
 def test_one_rank_freezing_alone_fails_on_every_rank(when):

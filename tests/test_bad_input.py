@@ -44,6 +44,7 @@ CASES = [
 ]
 
 
+@pytest.mark.reliability("Bad input: {what}", "`{exc.__name__}` naming it (\"{words}\"), params unchanged")
 @pytest.mark.parametrize("what,params,kwargs,exc,words", CASES, ids=[c[0] for c in CASES])
 def test_constructor_rejects(what, params, kwargs, exc, words):
     model = _model()
@@ -54,6 +55,7 @@ def test_constructor_rejects(what, params, kwargs, exc, words):
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+@pytest.mark.reliability("Bad input: a named param listed twice", "`ValueError` before anything changes")
 def test_named_param_listed_twice_is_named():
     model = _model()
     named = list(model.named_parameters())
@@ -61,6 +63,7 @@ def test_named_param_listed_twice_is_named():
         hf_zero.ZeroBucketOptimizer([named[0], named[0]], AdamW)
 
 
+@pytest.mark.reliability("Bad input: meta-device params at step time", "`ValueError` naming the param")
 def test_meta_params_at_step_time_name_the_param():
     with torch.device("meta"):
         model = torch.nn.Linear(3, 2)
@@ -81,6 +84,7 @@ def _outside_group(rank, world_size):
     return "no error"
 
 
+@pytest.mark.reliability("Bad input: a process group that does not contain this rank", "`ValueError` on that rank")
 @pytest.mark.timeout(60)
 def test_process_group_without_this_rank():
     inside, outside = run_ranks(_outside_group, 2, timeout=40)
@@ -88,11 +92,13 @@ def test_process_group_without_this_rank():
     assert "process_group does not contain this process" in outside
 
 
+@pytest.mark.reliability("Bad input: a process group but torch.distributed not initialized", "`ValueError`")
 def test_process_group_without_torch_distributed():
     with pytest.raises(ValueError, match="torch.distributed is not initialized"):
         hf_zero.ZeroBucketOptimizer(_model().parameters(), AdamW, process_group=object())
 
 
+@pytest.mark.reliability("Bad input: consolidate_state_dict(to=) outside the group", "`ValueError` naming the range")
 def test_consolidate_to_a_rank_that_does_not_exist():
     opt = hf_zero.ZeroBucketOptimizer(_model().parameters(), AdamW)
     with pytest.raises(ValueError, match=r"to must be a rank in \[0, 1\)"):

@@ -30,6 +30,7 @@ def _torchrun(out, *extra):
     return proc
 
 
+@pytest.mark.reliability("Rank 1 SIGKILLed mid-run under torchrun --max-restarts 1", "restart from the last checkpoint; final weights equal the uninterrupted run")
 @pytest.mark.timeout(320)
 def test_sigkill_rank1_restarts_from_checkpoint_and_matches(tmp_path):
     _torchrun(str(tmp_path / "clean"))

@@ -97,6 +97,7 @@ def _run(world_size, numels, old_mask, new_mask, old_shard, new_shard):
     return targets, results
 
 
+@pytest.mark.reliability("Property: state migration between random layouts (world size 1-9, flat/param, random masks)", "every element arrives once, unchanged")
 @settings(max_examples=40, deadline=None)
 @given(
     world_size=st.integers(1, 9),
