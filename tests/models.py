@@ -85,7 +85,23 @@ class MixedDtype(nn.Module):
         return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g), torch.randn(n, 4, generator=g)
 
 
-MODELS = {"mlp": MLP, "tied": TiedLM, "mixed": MixedDtype}
+class Tiny(nn.Module):
+    """Three elements: on 3 ranks some ranks own nothing but padding (flat) or nothing (param)."""
+
+    def __init__(self, dtype=torch.float64):
+        super().__init__()
+        self.lin = nn.Linear(2, 1).to(dtype)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.lin(x), y)
+
+    def batch(self, step: int, n: int):
+        g = torch.Generator().manual_seed(4000 + step)
+        dtype = self.lin.weight.dtype
+        return torch.randn(n, 2, generator=g, dtype=dtype), torch.randn(n, 1, generator=g, dtype=dtype)
+
+
+MODELS = {"mlp": MLP, "tied": TiedLM, "mixed": MixedDtype, "tiny": Tiny}
 
 
 def build_model(name: str, dtype=torch.float64) -> nn.Module:
@@ -130,6 +146,7 @@ class Setup:
     view: bool = True
     groups: str = "one"
     schedule: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    lr_decay: float = 1.0  # every group's lr is multiplied by this after each step (an LR scheduler)
 
     def apply_schedule(self, model: nn.Module, step: int) -> None:
         for at, frozen in self.schedule:
@@ -166,6 +183,9 @@ def train_steps(
                     p.grad = None
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
+        if setup.lr_decay != 1.0:
+            for group in opt.param_groups:
+                group["lr"] *= setup.lr_decay
 
 
 def make_zero(setup: Setup, model: nn.Module, **kwargs):

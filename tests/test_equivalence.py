@@ -36,6 +36,10 @@ SETUPS = {
     "tied-param-no-view": Setup(model="tied", shard="param", view=False),
     "fp32-and-bf16": Setup(model="mixed"),
     "fp32-and-bf16-param-no-view": Setup(model="mixed", shard="param", view=False),
+    "lr-changed-between-steps": Setup(groups="decay", lr_decay=0.5),
+    "lr-changed-between-steps-param": Setup(optimizer="adafactor", shard="param", lr_decay=0.5),
+    "ranks-owning-nothing": Setup(model="tiny"),
+    "ranks-owning-nothing-param": Setup(model="tiny", shard="param"),
 }
 
 # Params moved or replaced behind the optimizer's back (DESIGN §4: accelerate.prepare, model.to).
