@@ -218,3 +218,19 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank():
     assert log0[2][2] == log0[1][2] / 2  # the scale backed off once, on both ranks
     for n in params0:
         assert torch.equal(params0[n], params1[n]), n
+
+
+def test_prepare_accelerator_needs_a_prepared_zero_optimizer():
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(3, 2)
+    accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    with pytest.raises(ValueError, match=r"no ZeroBucketOptimizer .* call it after accelerator.prepare"):
+        hf_zero.prepare_accelerator(accelerator)
+
+    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(save_on_each_node=True))
+    accelerator.prepare(model, hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW))
+    with pytest.raises(ValueError, match="save_on_each_node=True"):
+        hf_zero.prepare_accelerator(accelerator)
