@@ -348,7 +348,8 @@ def save_sharded(opt: "ZeroBucketOptimizer", path: str | os.PathLike) -> None:
     rank, ws = comm.rank, comm.world_size
     token = comm.all_gather_object(secrets.token_hex(8) if rank == 0 else None)[0]
     names = param_names(opt)
-    labels = [n if n is not None else f"#{i}" for i, n in enumerate(names)]
+    unique = len(set(names)) == len(names)
+    labels = [n if n is not None and unique else f"#{i}" if n is None else f"{n}#{i}" for i, n in enumerate(names)]
     fname = f"shard-{token}-rank{rank:05d}-of-{ws:05d}.safetensors"
     meta, err = None, None
     try:
