@@ -16,6 +16,7 @@ callback in the same backward and the collectives stay in lockstep.
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 
@@ -40,12 +41,14 @@ def unwrap_ddp(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def attach_grad_averaging(model: torch.nn.Module, optimizer) -> None:
+def attach_grad_averaging(model: torch.nn.Module, optimizer, *, syncing: Callable[[], bool] | None = None) -> None:
     """Average, at the end of every backward through ``model``, the grads of the
     optimizer's params that DDP does not reduce. Idempotent per ``model``.
 
     Call when DDP has just been built: the params frozen now are the ones DDP
     will never reduce (``optimizer._note_ddp_built()`` is called here).
+    ``syncing`` (read at each forward; the same on every rank) skips the backwards
+    DDP does not sync either, i.e. the non-final micro-batches of gradient accumulation.
     """
     optimizer._note_ddp_built()
     if optimizer._comm.world_size == 1:
@@ -67,6 +70,8 @@ def attach_grad_averaging(model: torch.nn.Module, optimizer) -> None:
 
     def after_forward(module, args, output):
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in unreduced):
+            return
+        if syncing is not None and not syncing():
             return
         queued = [False]
 

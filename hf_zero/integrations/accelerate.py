@@ -67,7 +67,7 @@ def prepare_accelerator(accelerator) -> None:
         ids = {id(p) for p in opt._params}
         for model in accelerator._models:
             if any(id(p) in ids for p in unwrap_ddp(model).parameters()):
-                attach_grad_averaging(model, opt)
+                attach_grad_averaging(model, opt, syncing=lambda: accelerator.sync_gradients)
                 guard_frozen_under_ddp(model, opt, find_unused_parameters=_find_unused(accelerator), hint=_DDP_HINT)
     if not getattr(accelerator, _HOOKED, False):
         accelerator.register_save_state_pre_hook(_save_hook(accelerator))

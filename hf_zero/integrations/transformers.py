@@ -258,7 +258,11 @@ class ZeroBucketCallback(TrainerCallback):
         if opt is None or _DRIVER.get(opt) not in (None, self):
             return
         _DRIVER[opt] = self
-        attach_grad_averaging(model, opt)  # DDP was built just before this event
+        # DDP was built just before this event. Trainer sets accelerate's shared
+        # GradientState.sync_gradients before each micro-batch.
+        from accelerate.state import GradientState
+
+        attach_grad_averaging(model, opt, syncing=lambda: GradientState().sync_gradients)
         guard_frozen_under_ddp(model, opt, find_unused_parameters=_ddp_find_unused(args, model), hint=_DDP_HINT)
         opt._prepare()
         self._rebuilds_logged = -1
