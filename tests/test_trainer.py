@@ -23,6 +23,8 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 # Layer 1 is frozen before the Trainer (and DDP) exist and unfrozen at step 2: DDP never
 # reduces it. The embeddings (reduced by DDP) are frozen at step 3, unfrozen at step 5.
 SCHEDULE = {2: {"bert.encoder.layer.1.": True}, 3: {"bert.embeddings.": False}, 5: {"bert.embeddings.": True}}
+PLAIN_SCHEDULE = {2: {"bert.encoder.layer.0.": False}, 3: {"bert.embeddings.": False},
+                  5: {"bert.encoder.layer.0.": True, "bert.embeddings.": True}}
 MAIN = dict(schedule=SCHEDULE, frozen_at_build=("bert.encoder.layer.1.",), gradient_accumulation_steps=2,
             save_strategy="epoch")
 
@@ -162,6 +164,7 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
         ("run_trainer", dict(output_dir=str(tmp_path / "gc_unused"), gradient_checkpointing=True,
                              ddp_find_unused_parameters=True, **{**MAIN, "save_strategy": "no"})),
         ("run_trainer", dict(output_dir=str(tmp_path / "bf16"), bf16=True, max_steps=3, schedule=SCHEDULE)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "plain2"), schedule=PLAIN_SCHEDULE)),
         ("run_trainer", dict(output_dir=str(tmp_path / "fp16"), max_steps=5, schedule=SCHEDULE,
                              frozen_at_build=("bert.encoder.layer.1.",),
                              overflow=(3, "bert.encoder.layer.1.output.dense.weight"))),
@@ -169,9 +172,10 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     one = run_ranks(run_many, 1, [
         ("run_trainer", dict(output_dir=main1, optim="adamw_torch", reference=True, **MAIN)),
         ("run_trainer", dict(output_dir=str(tmp_path / "resume1"), resume=ckpt, **MAIN)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "plain1"), optim="adamw_torch", schedule=PLAIN_SCHEDULE)),
     ], timeout=300)
-    (main, resumed2, steps, only_model, gc_error, gc_ok, bf16, fp16), other_rank = two[0], two[1]
-    (reference, resumed1) = one[0]
+    (main, resumed2, steps, only_model, gc_error, gc_ok, bf16, plain, fp16), other_rank = two[0], two[1]
+    (reference, resumed1, plain_reference) = one[0]
     initial = dict(tiny_bert().named_parameters())
 
     # Replicas agree on every rank, in every run.
@@ -181,6 +185,8 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
 
     # 2 ranks (ZeRO, grad accumulation, clipping, freezes inside and outside DDP) == 1 process AdamW.
     _assert_params_close(main[0], reference[0], 1e-12, "zero_bucket 2 ranks vs adamw_torch 1 process")
+    # Nothing frozen at build: the reference is Trainer's own optim="adamw_torch".
+    _assert_params_close(plain[0], plain_reference[0], 1e-12, "zero_bucket 2 ranks vs Trainer adamw_torch")
     moved = [n for n in initial if not torch.equal(initial[n].detach(), reference[0][n])]
     assert "bert.encoder.layer.1.output.dense.weight" in moved and "bert.embeddings.word_embeddings.weight" in moved
     # Unfrozen outside DDP's reducer and clipped: the grads were averaged before clipping.
@@ -233,5 +239,5 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
 
     # fp16 with GradScaler: an inf grad on rank 1 only, in a param DDP does not reduce,
     # skips step 4 on both ranks (no hang), and the scale backs off once on both.
-    assert fp16[2]["skipped"] == other_rank[7][2]["skipped"] == [False, False, False, True, False]
-    assert fp16[2]["scale"] == other_rank[7][2]["scale"] == 2.0**9
+    assert fp16[2]["skipped"] == other_rank[8][2]["skipped"] == [False, False, False, True, False]
+    assert fp16[2]["scale"] == other_rank[8][2]["scale"] == 2.0**9
