@@ -109,17 +109,33 @@ def build_model(name: str, dtype=torch.float64) -> nn.Module:
     return MODELS[name](dtype)
 
 
+# Elementwise torch optimizers (valid in flat mode), with hyperparameters that use their state.
+ELEMENTWISE = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9)),
+    "sgd-nesterov": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    "adamw-amsgrad": (torch.optim.AdamW, dict(lr=1e-2, amsgrad=True)),
+    "adamw-fused": (torch.optim.AdamW, dict(lr=1e-2, fused=True)),
+    "adamw-for-loop": (torch.optim.AdamW, dict(lr=1e-2, foreach=False)),
+    "adam": (torch.optim.Adam, dict(lr=1e-2)),
+    "nadam": (torch.optim.NAdam, dict(lr=1e-2)),
+    "radam": (torch.optim.RAdam, dict(lr=1e-2)),
+    "adamax": (torch.optim.Adamax, dict(lr=1e-2)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=1e-2)),
+    "adadelta": (torch.optim.Adadelta, dict(lr=1.0)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5, centered=True)),
+    "rprop": (torch.optim.Rprop, dict(lr=1e-2)),
+    "asgd": (torch.optim.ASGD, dict(lr=1e-2)),
+}
+
+
 def optimizer_spec(name: str) -> tuple[type, dict]:
     """(optimizer class, hyperparameters) for a short name."""
-    if name == "adamw":
-        return torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)
-    if name == "sgd":
-        return torch.optim.SGD, dict(lr=5e-2, momentum=0.9)
     if name == "adafactor":
         from transformers.optimization import Adafactor
 
         return Adafactor, dict(lr=1e-2, scale_parameter=False, relative_step=False, warmup_init=False)
-    raise KeyError(name)
+    return ELEMENTWISE[name]
 
 
 def param_groups(model: nn.Module, groups: str) -> list:

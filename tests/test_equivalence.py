@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests._dist import run_ranks
 from tests.models import (
-    Setup, allowed_error, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model,
+    ELEMENTWISE, Setup, allowed_error, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model,
     make_zero, params_of, reference_run, train_steps,
 )
 
@@ -40,6 +40,13 @@ SETUPS = {
     "lr-changed-between-steps-param": Setup(optimizer="adafactor", shard="param", lr_decay=0.5),
     "ranks-owning-nothing": Setup(model="tiny"),
     "ranks-owning-nothing-param": Setup(model="tiny", shard="param"),
+}
+
+# Every elementwise torch optimizer, each shard mode, through a frozen period.
+EVERY_ELEMENTWISE = {
+    f"{opt}-{shard}-frozen-period": Setup(optimizer=opt, shard=shard, schedule=((2, ("net.0.",)), (4, ())))
+    for opt in ELEMENTWISE
+    for shard in ("flat", "param")
 }
 
 # Params moved or replaced behind the optimizer's back (DESIGN §4: accelerate.prepare, model.to).
@@ -81,8 +88,10 @@ def _train(rank, world_size, setup: Setup, disturb: str = ""):
 
 
 def _train_all(rank, world_size):
+    assert not set(SETUPS) & set(DISTURBED) and not set(SETUPS) & set(EVERY_ELEMENTWISE)
     out = {name: _train(rank, world_size, setup) for name, setup in SETUPS.items()}
     out.update({name: _train(rank, world_size, setup, how) for name, (setup, how) in DISTURBED.items()})
+    out.update({name: _train(rank, world_size, setup) for name, setup in EVERY_ELEMENTWISE.items()})
     return out
 
 
@@ -105,6 +114,13 @@ def _check(per_rank, setup, world_size):
 @pytest.mark.parametrize("name", SETUPS)
 def test_matches_reference(name, world_size):
     _check([r[name] for r in _results(world_size)], SETUPS[name], world_size)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", EVERY_ELEMENTWISE)
+def test_every_elementwise_optimizer(name, world_size):
+    _check([r[name] for r in _results(world_size)], EVERY_ELEMENTWISE[name], world_size)
 
 
 @pytest.mark.timeout(240)
