@@ -142,6 +142,10 @@ def run_trainer(
         use_cpu=True,
         seed=0,
         disable_tqdm=True,
+        # With gradient accumulation, Trainer 5.23 multiplies the loss by the number of
+        # processes for models that ignore num_items_in_batch (BERT classification), so 2
+        # ranks would not equal 1 process even with plain DDP + AdamW (zero_bucket
+        # matches plain DDP exactly there too).
         average_tokens_across_devices=False,
     )
     kwargs.update(overrides)
