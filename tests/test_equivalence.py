@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests._dist import run_ranks
 from tests.models import (
-    ELEMENTWISE, Setup, allowed_error, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model,
-    make_zero, params_of, reference_run, train_steps,
+    ELEMENTWISE, Setup, allowed_error, assert_params_equal, assert_replicas_identical, assert_state_dict_equal,
+    build_model, make_zero, params_of, reference_run, train_steps,
 )
 
 STEPS = 6

@@ -81,7 +81,9 @@ spec_strategy = st.builds(
 
 
 @settings(max_examples=300, deadline=None)
-@given(specs=st.lists(spec_strategy, max_size=30), world_size=st.integers(1, 9), shard=st.sampled_from(["flat", "param"]))
+@given(
+    specs=st.lists(spec_strategy, max_size=30), world_size=st.integers(1, 9), shard=st.sampled_from(["flat", "param"])
+)
 def test_every_trainable_element_owned_exactly_once(specs, world_size, shard):
     layout = plan_layout(specs, world_size=world_size, shard=shard)
     check_ownership(specs, layout)
