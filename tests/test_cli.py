@@ -9,7 +9,7 @@ from hf_zero.cli import main
 from tests._dist import run_ranks
 from tests.test_checkpoint import (
     Net,
-    _assert_params_close,
+    assert_params_equal,
     _consolidated,
     _optimizer_class,
     _params,
@@ -46,8 +46,8 @@ def test_consolidate_output_loads_into_the_plain_optimizer_and_continues(tmp_pat
     ref_model = Net()
     ref = cls(ref_model.named_parameters(), **kw)
     _train(ref_model, ref, range(0, 7))
-    _assert_params_close(_params(model), _params(ref_model))
-    assert_state_equal(plain.state_dict(), ref.state_dict(), exact=False)
+    assert_params_equal(_params(model), _params(ref_model))  # continues exactly
+    assert_state_equal(plain.state_dict(), ref.state_dict())
 
     capsys.readouterr()
     assert main(["inspect", directory]) == 0
