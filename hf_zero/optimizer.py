@@ -467,6 +467,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
     def _set_param_names(self, named_params) -> None:
         """Name params for checkpoints from ``(name, param)`` pairs, e.g. ``model.named_parameters()``."""
         self._names_by_id = {id(p): n for n, p in named_params}
+        self._param_names = [self._names_by_id.get(id(p)) or n for p, n in zip(self._params, self._param_names)]
 
     def _adopt_loaded(self, hyperparams: list[dict], held: Holdings | None, has_state: bool = False) -> None:
         """Take loaded hyperparameters and this rank's loaded state (None: keep the current state)."""
