@@ -26,6 +26,7 @@ from transformers import (  # noqa: E402
     Trainer,
     TrainerCallback,
     TrainingArguments,
+    set_seed,
 )
 
 import hf_zero  # noqa: E402,F401  (before parsing: registers --optim zero_bucket)
@@ -73,6 +74,7 @@ def main() -> None:
     script, args = parser.parse_args_into_dataclasses()
     model_dir = script.model_name_or_path or default_model_dir()
 
+    set_seed(args.seed)  # the new classification head's initialisation
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
     data = tokenized(review_datasets(script.n_train, script.n_eval, seed=args.seed), tokenizer)
