@@ -449,7 +449,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         checkpoint.load_state_dict(self, state_dict)
 
     def save_sharded(self, path) -> None:
-        """Write a sharded checkpoint to directory ``path``: each rank its own state. Collective.
+        """Write a sharded checkpoint to directory ``path`` (its own; all ranks must see it),
+        each rank its own state, with no gather. Collective.
 
         Atomic: until it returns the directory keeps its previous checkpoint. See
         :mod:`hf_zero.checkpoint` for the format and ``hf-zero consolidate`` / ``inspect``.
