@@ -89,6 +89,7 @@ def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir):
     train(3, STEPS)
     uninterrupted = params()
 
+    accelerator.save_model(model, os.path.join(save_dir, "model"))
     accelerator.load_state(save_dir)
     after_load = params()
     _apply(model.module, 2)  # the trainable set at the save
@@ -177,8 +178,11 @@ def test_accelerate_loop_equals_one_process_and_save_load_state_is_exact(tmp_pat
         assert r0["rebuilds"] >= 4
     from safetensors.torch import load_file
 
-    saved = load_file(str(tmp_path / "before" / "model.safetensors"))
-    assert len(saved) == len(reference)  # nothing dropped for sharing storage
+    for saved in ("before/model.safetensors", "after/model.safetensors", "before/model/model.safetensors"):
+        assert len(load_file(str(tmp_path / saved))) == len(reference), saved  # nothing dropped for sharing storage
+    final = load_file(str(tmp_path / "before" / "model" / "model.safetensors"))  # accelerator.save_model
+    for n in reference:
+        assert torch.equal(final[n], runs0[0]["final"][n]), n
 
 
 def _freeze_without_find_unused(rank, world_size):

@@ -42,11 +42,13 @@ def prepare_accelerator(accelerator) -> None:
       every rank;
     - fails early, with what to set, when a param DDP reduces is frozen while DDP was
       built with ``find_unused_parameters=False`` (Accelerate's default);
-    - makes ``accelerator.save_state()`` / ``load_state()`` exact: with safetensors
-      (the default) Accelerate keeps only one tensor per shared storage, and bucket
-      views share one; the hooks give the saved params their own storage, consolidate
-      the optimizer state on the main process, and release the views before loading
-      (they are rebuilt, with the loaded values, at the next step).
+    - makes ``accelerator.save_state()`` / ``load_state()`` exact and
+      ``accelerator.save_model()`` complete: with safetensors (the default) Accelerate
+      keeps only one tensor per shared storage, and bucket views share one. On the main
+      process ``accelerator.get_state_dict()`` (which both saves use) then returns
+      tensors with their own storage; a save-state hook consolidates the optimizer
+      state on the main process, and a load-state hook releases the views before
+      loading (they are rebuilt, with the loaded values, at the next step).
 
     Raises ``ValueError`` when no prepared optimizer is a ZeroBucketOptimizer, or when
     ``save_on_each_node`` is set (one complete optimizer file per node is not
@@ -72,6 +74,7 @@ def prepare_accelerator(accelerator) -> None:
     if not getattr(accelerator, _HOOKED, False):
         accelerator.register_save_state_pre_hook(_save_hook(accelerator))
         accelerator.register_load_state_pre_hook(_load_hook(accelerator))
+        accelerator.get_state_dict = _owning_get_state_dict(accelerator, accelerator.get_state_dict)
         setattr(accelerator, _HOOKED, True)
 
 
@@ -102,13 +105,24 @@ def _own_storage(state_dict: dict) -> None:
             state_dict[name] = copies[key]
 
 
+def _owning_get_state_dict(accelerator, get_state_dict):
+    """``accelerator.get_state_dict`` whose result, on the main process (the one that
+    writes), holds no bucket views. Accelerate has no hook in ``save_model``, so this
+    instance attribute is the one place that covers both ``save_model`` and ``save_state``."""
+
+    def owning(model, *args, **kwargs):
+        state_dict = get_state_dict(model, *args, **kwargs)
+        if accelerator.is_main_process and isinstance(state_dict, dict):
+            _own_storage(state_dict)
+        return state_dict
+
+    owning.__doc__ = get_state_dict.__doc__
+    return owning
+
+
 def _save_hook(accelerator):
     def hook(models, weights, output_dir):
-        optimizers = _zero_optimizers(accelerator)
-        if accelerator.is_main_process:
-            for state_dict in weights:
-                _own_storage(state_dict)
-        for opt in optimizers:
+        for opt in _zero_optimizers(accelerator):
             main = 0  # accelerate saves on the process with global rank 0
             opt.consolidate_state_dict(to=main)
             if opt._comm.rank != main:
