@@ -20,21 +20,38 @@ from tests.test_checkpoint import (
 
 
 def _save_on_two_ranks(rank, world_size, directory):
+    from hf_zero import checkpoint
+
     model = Net()
     opt = _zero(model, "adamw", "flat", True)
     _train(model, opt, range(0, 4))  # a.weight frozen at step 3: its state is parked
     opt.save_sharded(directory)
-    return _params(model), _consolidated(opt)
+    saved, params = _consolidated(opt), _params(model)
+
+    # A rank failing to write: every rank raises, nothing is committed, no hang.
+    _train(model, opt, range(4, 5))
+    if rank == 1:
+        def disk_full(path, write):
+            raise OSError(28, "No space left on device")
+
+        checkpoint.write_atomic = disk_full
+    try:
+        opt.save_sharded(directory)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return params, saved, error
 
 
 @pytest.mark.timeout(90)
 def test_consolidate_output_loads_into_the_plain_optimizer_and_continues(tmp_path, capsys):
     directory, out = str(tmp_path / "ck"), str(tmp_path / "optimizer.pt")
-    params, saved = run_ranks(_save_on_two_ranks, 2, directory, timeout=80)[0]
+    (params, saved, error0), (_, _, error1) = run_ranks(_save_on_two_ranks, 2, directory, timeout=80)
+    assert error0 == error1 and "rank 1: OSError" in error0 and "nothing was committed" in error0
 
     assert main(["consolidate", directory, out]) == 0
     merged = torch.load(out, weights_only=True)
-    assert_state_equal(merged, saved)
+    assert_state_equal(merged, saved)  # the failed second save left the first in place
 
     model = Net()
     model.load_state_dict(params)
