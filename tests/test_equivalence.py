@@ -87,11 +87,33 @@ def _train(rank, world_size, setup: Setup, disturb: str = ""):
     }
 
 
+SUBGROUP_SETUPS = {
+    "subgroup-flat": Setup(schedule=((0, ("net.2.",)), (2, ()), (4, ("net.0.",)))),
+    "subgroup-param-no-view": Setup(shard="param", view=False, schedule=((2, ("net.0.",)), (4, ()))),
+}
+
+
+def _train_in_subgroup(rank, world_size, setup: Setup):
+    """Global ranks 1 and 2 train over a process group of their own (group rank = global - 1)."""
+    group = dist.new_group([1, 2])  # every rank must take part in creating it
+    if rank == 0:
+        return None
+    model = build_model(setup.model)
+    setup.apply_schedule(model, 0)
+    opt = make_zero(setup, model, process_group=group)
+    ddp = DDP(model, find_unused_parameters=True, process_group=group)
+    train_steps(setup, model, opt, range(STEPS), world_size=2, rank=rank - 1, forward=ddp)
+    opt.consolidate_state_dict(to=1)
+    return {"params": params_of(model), "state_dict": opt.state_dict() if rank == 2 else None}
+
+
 def _train_all(rank, world_size):
     assert not set(SETUPS) & set(DISTURBED) and not set(SETUPS) & set(EVERY_ELEMENTWISE)
     out = {name: _train(rank, world_size, setup) for name, setup in SETUPS.items()}
     out.update({name: _train(rank, world_size, setup, how) for name, (setup, how) in DISTURBED.items()})
     out.update({name: _train(rank, world_size, setup) for name, setup in EVERY_ELEMENTWISE.items()})
+    if world_size == 3:
+        out.update({name: _train_in_subgroup(rank, world_size, setup) for name, setup in SUBGROUP_SETUPS.items()})
     return out
 
 
@@ -128,6 +150,17 @@ def test_every_elementwise_optimizer(name, world_size):
 @pytest.mark.parametrize("name", DISTURBED)
 def test_params_moved_behind_its_back(name, world_size):
     _check([r[name] for r in _results(world_size)], DISTURBED[name][0], world_size)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", SUBGROUP_SETUPS)
+def test_process_group_of_some_ranks(name):
+    per_rank = [r[name] for r in _results(3)]
+    ref_params, ref_state = reference_run(SUBGROUP_SETUPS[name], 2, STEPS)
+    assert per_rank[0] is None
+    assert_replicas_identical([r["params"] for r in per_rank[1:]])
+    assert_params_equal(per_rank[1]["params"], ref_params)
+    assert_state_dict_equal(per_rank[2]["state_dict"], ref_state)
 
 
 @pytest.mark.timeout(60)
