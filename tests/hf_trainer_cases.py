@@ -32,6 +32,17 @@ class TokenDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": self.labels[i]}
 
 
+class PlainModule(torch.nn.Module):
+    """Not a PreTrainedModel: Trainer saves it with safetensors' save_file."""
+
+    def __init__(self, inner: torch.nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
 def tiny_bert() -> BertForSequenceClassification:
     torch.manual_seed(0)
     config = BertConfig(
@@ -108,6 +119,7 @@ def run_trainer(
     resume=None,
     overflow=None,
     explicit_callback=False,
+    plain_module=False,
     **overrides,
 ):
     """One Trainer run; returns (final params, log_history, info) from this rank.
@@ -124,6 +136,8 @@ def run_trainer(
     for name, p in model.named_parameters():
         if name.startswith(tuple(frozen_at_build)):
             p.requires_grad_(False)
+    if plain_module:
+        model = PlainModule(model)
     grad_acc = overrides.pop("gradient_accumulation_steps", 1)
     kwargs = dict(
         output_dir=output_dir,
@@ -164,6 +178,8 @@ def run_trainer(
         optimizers=optimizers,
     )
     trainer.train(resume_from_checkpoint=resume)
+    if plain_module:
+        trainer.save_model()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     info = {}
     if overflow:

@@ -11,6 +11,7 @@ import torch
 
 from ..optimizer import ZeroBucketOptimizer
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
+from ._views import release_views
 
 _HOOKED = "_hf_zero_hooks"
 _DDP_HINT = (
@@ -138,11 +139,6 @@ def _load_hook(accelerator):
         # safetensors' load_model treats params sharing a storage as tied duplicates
         # and reports them as unexpected keys: load into params that own their storage.
         for opt in _zero_optimizers(accelerator):
-            shared: dict[int, int] = defaultdict(int)
-            for p in opt._params:
-                shared[p.untyped_storage().data_ptr()] += 1
-            for p in opt._params:
-                if shared[p.untyped_storage().data_ptr()] > 1:
-                    p.data = p.data.clone()
+            release_views(opt)
 
     return hook
