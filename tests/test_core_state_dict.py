@@ -3,7 +3,8 @@
 Train SAVED steps on 2 ranks, consolidate, then continue RESUMED more steps from that
 dict: in a plain optimizer, in ZeroBucketOptimizer on 3 ranks and on 1 (no process
 group), also in the other shard mode. Every continuation must equal one uninterrupted
-single-process run (whose global batch follows the world size of each phase).
+single-process run (whose global batch follows the world size of each phase), and the
+loaded dict, consolidated again before any step, must equal the saved one.
 """
 
 import copy
@@ -94,10 +95,12 @@ def _resume(rank, world_size, setup: Setup, params, state_dict):
     model = _restore(setup, params)
     opt = make_zero(setup, model)
     opt.load_state_dict(state_dict)
+    opt.consolidate_state_dict(to=0)  # before any step: the loaded state, split over ranks, gathered back
+    reloaded = copy.deepcopy(opt.state_dict()) if rank == 0 else None
     forward = DDP(model, find_unused_parameters=True) if dist.is_initialized() else model
     train_steps(setup, model, opt, range(SAVED, SAVED + RESUMED), world_size=world_size, rank=rank, forward=forward)
     opt.consolidate_state_dict(to=0)
-    return {"params": params_of(model), "state_dict": opt.state_dict() if rank == 0 else None}
+    return {"params": params_of(model), "reloaded": reloaded, "state_dict": opt.state_dict() if rank == 0 else None}
 
 
 def _resume_all(rank, world_size, jobs):
@@ -167,7 +170,8 @@ def test_plain_optimizer_continues_from_saved_dict(name):
 @pytest.mark.parametrize("name", RESUMES)
 def test_resume_on_another_world_size(name, world_size):
     per_rank = [r[name] for r in _resumed(world_size)]
-    _, want_params, want_state = _uninterrupted(RESUMES[name][0], world_size)
+    at_save, want_params, want_state = _uninterrupted(RESUMES[name][0], world_size)
+    assert_state_dict_equal(per_rank[0]["reloaded"], at_save)
     assert_replicas_identical([r["params"] for r in per_rank])
     assert_params_equal(per_rank[0]["params"], want_params)
     assert_state_dict_equal(per_rank[0]["state_dict"], want_state)
