@@ -139,10 +139,13 @@ def optimizer_spec(name: str) -> tuple[type, dict]:
 
 
 def param_groups(model: nn.Module, groups: str) -> list:
-    """``"one"``: a single group; ``"decay"``: matrices decayed, vectors not (two groups)."""
+    """``"one"``: a single group; ``"named"``: one group of ``(name, param)`` pairs (its
+    state dict lists ``param_names``); ``"decay"``: matrices decayed, vectors not."""
     params = list(model.named_parameters())
     if groups == "one":
         return [p for _, p in params]
+    if groups == "named":
+        return params
     if groups == "decay":
         return [
             {"params": [p for _, p in params if p.ndim >= 2], "weight_decay": 0.1},

@@ -32,6 +32,7 @@ SETUPS = {
     "adafactor-param-no-view": Setup(optimizer="adafactor", shard="param", view=False),
     "two-groups": Setup(groups="decay"),
     "two-groups-param": Setup(groups="decay", shard="param"),
+    "named-params": Setup(groups="named"),
     "tied": Setup(model="tied"),
     "tied-param-no-view": Setup(model="tied", shard="param", view=False),
     "fp32-and-bf16": Setup(model="mixed"),
