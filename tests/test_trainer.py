@@ -230,8 +230,8 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     assert os.path.exists(str(tmp_path / "only_model" / "checkpoint-2" / "model.safetensors"))
     assert not os.path.exists(str(tmp_path / "only_model" / "checkpoint-2" / "optimizer.pt"))
 
-    # A model that is not a PreTrainedModel is saved with safetensors' save_file, which
-    # rejects shared storage: the views were released before the saves, nothing lost.
+    # A model that is not a PreTrainedModel is saved with safetensors' save_file: its
+    # bucket views (one storage, no overlap) are all written.
     from safetensors.torch import load_file
 
     for saved in ("checkpoint-2", "checkpoint-3", "."):

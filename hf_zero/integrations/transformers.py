@@ -21,7 +21,6 @@ from transformers.training_args import OptimizerNames
 
 from ..optimizer import ZeroBucketOptimizer
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
-from ._views import release_views
 
 logger = logging.getLogger(__name__)
 
@@ -281,30 +280,19 @@ class ZeroBucketCallback(TrainerCallback):
         if opt is not None:
             self._record(opt, state)  # the step itself rebuilds after late trainability changes
 
-    def _before_save(self, args, control, model, optimizer) -> None:
+    def _before_save(self, args, control, optimizer) -> None:
         opt = self._mine(optimizer)
-        if opt is None or not control.should_save:
-            return
-        if not isinstance(model, PreTrainedModel):
-            # Trainer saves such a model with safetensors' save_file, which rejects
-            # tensors sharing a storage (save_pretrained handles them).
-            release_views(opt)
-        if args.save_only_model:
+        if opt is None or not control.should_save or args.save_only_model:
             return
         # [Note: checkpoint hook] Trainer writes optimizer.pt from rank 0's state_dict().
         # A sharded (per-rank) checkpoint format would be written from here instead.
         opt.consolidate_state_dict(to=0)
 
-    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._before_save(args, control, model, optimizer)
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        self._before_save(args, control, optimizer)
 
-    def on_epoch_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._before_save(args, control, model, optimizer)
-
-    def on_train_end(self, args, state, control, model=None, optimizer=None, **kwargs):
-        opt = self._mine(optimizer)
-        if opt is not None and not isinstance(model, PreTrainedModel):
-            release_views(opt)  # for trainer.save_model() after training, as above
+    def on_epoch_end(self, args, state, control, optimizer=None, **kwargs):
+        self._before_save(args, control, optimizer)
 
     def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
         if self._mine(optimizer) is not None and logs is not None and self._pending:
