@@ -246,6 +246,7 @@ def _accelerate_round_trip(rank, world_size):
     return before, after, errors, final, _params(model)
 
 
+@pytest.mark.reliability("Accelerate prepare() mid-training: state_dict()/load_state_dict() on every rank, nothing consolidated", "state kept; training continues bitwise equal to the reference")
 @pytest.mark.timeout(90)
 def test_accelerate_init_round_trip_at_step_0_and_mid_training():
     results = run_ranks(_accelerate_round_trip, 2, timeout=80)
@@ -280,6 +281,7 @@ def test_state_dict_is_never_a_collective_and_complete_on_one_rank():
     assert fresh.state_dict()["state"] == {}
 
 
+@pytest.mark.reliability("Load a state dict or sharded checkpoint of another model or optimizer class", "`ValueError` listing every mismatch; optimizer unchanged")
 def test_load_state_dict_of_another_model_or_optimizer_raises_and_changes_nothing(tmp_path):
     model, opt = _trained()
     sd = opt.state_dict()
@@ -422,6 +424,7 @@ _KILLER = textwrap.dedent(
 )
 
 
+@pytest.mark.reliability("Checkpoint save SIGKILLed mid-shard, before and after the commit record; a shard truncated after commit", "the previous (or the committed) checkpoint loads exactly; the truncated one is refused")
 @pytest.mark.timeout(120)
 def test_save_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
     model, opt = _trained(steps=range(0, 2))

@@ -43,6 +43,7 @@ def _save_on_two_ranks(rank, world_size, directory):
     return params, saved, error
 
 
+@pytest.mark.reliability("A sharded save failing (disk full) on rank 1 of 2", "both ranks raise the same error; nothing committed; previous checkpoint intact")
 @pytest.mark.timeout(90)
 def test_consolidate_output_loads_into_the_plain_optimizer_and_continues(tmp_path, capsys):
     directory, out = str(tmp_path / "ck"), str(tmp_path / "optimizer.pt")
@@ -75,6 +76,7 @@ def test_consolidate_output_loads_into_the_plain_optimizer_and_continues(tmp_pat
         assert expected in shown, shown
 
 
+@pytest.mark.reliability("CLI on a missing or broken checkpoint", "non-zero exit and a message naming the problem")
 def test_cli_errors_name_the_problem(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "holds no sharded optimizer checkpoint" in capsys.readouterr().err

@@ -140,6 +140,7 @@ def _reference(case: Case, world_size: int):
     return params_of(model), mid, opt.state_dict()
 
 
+@pytest.mark.reliability("Trainability schedule \"{name}\" on {world_size} ranks", "equal to plain torch; frozen params bitwise unchanged")
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("name", CASES)

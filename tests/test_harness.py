@@ -48,6 +48,7 @@ def test_rank_error_is_reported_quickly():
     assert time.monotonic() - start < 30  # well before the 60 s deadline
 
 
+@pytest.mark.reliability("A rank that never joins a collective (test harness)", "TimeoutError within the deadline; children killed")
 @pytest.mark.timeout(60)
 def test_hang_times_out_and_kills_children(tmp_path):
     start = time.monotonic()

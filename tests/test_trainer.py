@@ -135,6 +135,7 @@ def test_optim_args_pick_inner_optimizer_and_match_it(tmp_path, optim_args, inne
         ("inner=sgd,momentum=lots", r"momentum='lots' is not a number"),
     ],
 )
+@pytest.mark.reliability("Bad input: optim_args=\"{optim_args}\"", "`ValueError` naming the key/value and listing the valid ones")
 def test_bad_optim_args_are_clear_errors(tmp_path, optim_args, message):
     args = _args(tmp_path, optim="zero_bucket", optim_args=optim_args)
     with pytest.raises(ValueError, match=message):
@@ -148,6 +149,7 @@ def _assert_params_close(got, want, atol, what):
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=atol, msg=lambda m: f"{what}: {n}: {m}")
 
 
+@pytest.mark.reliability("Trainer, 2 ranks: freeze/unfreeze inside and outside DDP, save, resume on 2 and on 1 rank; gradient checkpointing + a freeze with find_unused_parameters=False", "equal to 1 process (1e-12); the gradient-checkpointing case raises `ValueError` saying ddp_find_unused_parameters=True")
 @pytest.mark.timeout(420)
 def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp_path):
     main2, main1 = str(tmp_path / "main2"), str(tmp_path / "main1")
