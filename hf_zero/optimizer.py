@@ -273,9 +273,14 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
                         buf[pc.offset : pc.offset + pc.numel].copy_(t.reshape(-1))
             self._comm.sync_buffer(buf, plan.bounds)
             if not self.parameters_as_bucket_view:
+                # This rank's own range is already in the params: its pieces are views of them.
+                lo, hi = plan.range_of(self._comm.rank)
                 for slot in plan.slots:
-                    p = self._params[slot.index]
-                    p.data.view(-1).copy_(buf[slot.offset : slot.offset + slot.numel])
+                    flat = self._params[slot.index].data.view(-1)
+                    start, stop = slot.offset, slot.offset + slot.numel
+                    for a, b in ((start, min(stop, lo)), (max(start, hi), stop)):
+                        if a < b:
+                            flat[a - start : b - start].copy_(buf[a:b])
 
     # -- rebuild -------------------------------------------------------------------
     def _holdings(self) -> Holdings:
