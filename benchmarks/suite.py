@@ -18,7 +18,7 @@ from hf_zero import ZeroBucketOptimizer
 
 from . import trainer_bench
 from .measure import (
-    CollectiveCounter, barrier, median, peak_rss_mib, reset_peak_rss, rss_mib, state_bytes, time_calls,
+    CollectiveCounter, barrier, peak_rss_mib, reset_peak_rss, rss_mib, state_bytes, time_calls,
 )
 
 LR = 1e-4
@@ -252,5 +252,3 @@ def _sync_limits(cfg) -> dict:
         "all_reduce_s": time_calls(lambda: dist.all_reduce(buf), warmup=1, steps=steps),
     }
 
-
-__all__ = ["bench_rank", "OPTIMIZERS", "median"]
