@@ -199,6 +199,9 @@ def plan(
     for shard in shards:
         report["plans"][f"hf_zero_{shard}"] = _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend)
     report["plans"]["torch_zero"] = _torch_plan(params, specs, world_size, optimizer, itemsize)
+    common = total * itemsize + train_numel * itemsize
+    for p in report["plans"].values():
+        p["max_rank_bytes"] = common + p["max_state_bytes"]
     return report
 
 
@@ -274,16 +277,18 @@ def format_report(report: dict) -> str:
         f"unsharded optimizer state {report['unsharded']['state_bytes'] / gib:.3f} GiB "
         f"(ideal per rank {report['unsharded']['ideal_state_bytes_per_rank'] / gib:.3f} GiB)",
         "",
-        f"{'plan':<14}{'balance':>9}{'max state GiB':>15}{'min elems/rank':>16}{'max elems/rank':>16}{'collectives':>13}",
+        f"{'plan':<14}{'balance':>9}{'max state GiB':>15}{'max rank GiB':>14}{'min elems/rank':>16}"
+        f"{'max elems/rank':>16}{'collectives':>13}",
     ]
     for name, p in report["plans"].items():
         c = p["collectives_per_step"]
         coll = c["bucket_view"] if name == "torch_zero" else c["sync"] + c["control"]
         el = p["trainable_elements_per_rank"]
         lines.append(
-            f"{name:<14}{p['balance']:>9.3f}{p['max_state_bytes'] / gib:>15.3f}{min(el):>16,}{max(el):>16,}{coll:>13}"
+            f"{name:<14}{p['balance']:>9.3f}{p['max_state_bytes'] / gib:>15.3f}{p['max_rank_bytes'] / gib:>14.3f}"
+            f"{min(el):>16,}{max(el):>16,}{coll:>13}"
         )
-    lines.append("")
+    lines.append("max rank = params + grads + the largest rank's optimizer state (activations and staging buffers not included)")
     lines.append("collectives per step: hf_zero = sync + 1 control all-reduce; torch_zero = bucket-view broadcasts "
                  f"({report['plans']['torch_zero']['collectives_per_step']['no_bucket_view']} without bucket views)")
     if ws <= 16:

@@ -88,7 +88,7 @@ def test_json_report_schema(capsys, tmp_path):
     assert set(report["model"]) == {"name", "params", "param_tensors", "trainable_params",
                                     "trainable_tensors", "module_buffers", "dtype"}
     assert set(report["plans"]) == {"hf_zero_flat", "hf_zero_param", "torch_zero"}
-    common = {"trainable_elements_per_rank", "state_bytes_per_rank", "max_state_bytes", "balance",
+    common = {"trainable_elements_per_rank", "state_bytes_per_rank", "max_state_bytes", "max_rank_bytes", "balance",
               "collectives_per_step", "sync_bytes_per_step"}
     for name in ("hf_zero_flat", "hf_zero_param"):
         p = report["plans"][name]
@@ -96,6 +96,7 @@ def test_json_report_schema(capsys, tmp_path):
         assert set(p["collectives_per_step"]) == {"sync", "sync_kind", "control"}
         assert len(p["state_bytes_per_rank"]) == 4
         assert sum(p["trainable_elements_per_rank"]) == report["model"]["trainable_params"]
+        assert p["max_rank_bytes"] == sum(report["per_rank_common"].values()) + max(p["state_bytes_per_rank"])
         for buf in p["buffers"]:
             assert set(buf) == {"dtype", "elements", "bytes", "padding", "rank_bounds"}
             assert buf["elements"] == buf["rank_bounds"][-1] or name == "hf_zero_param"
