@@ -8,6 +8,7 @@ params with the same initial values.
 from __future__ import annotations
 
 import gc
+import random
 import time
 
 import torch
@@ -118,10 +119,10 @@ def _bench_model(spec, cfg, counter, rank, world_size) -> dict:
         r["peak_rss_over_start_mib"] = peak_rss_mib() - base
         r["state_bytes"] = state_bytes(opt)
         live[kind] = (opt, named, set_grads)
-    # Interleaved: each round steps every optimizer once, in a rotating order.
+    # Interleaved: each round steps every optimizer once, in a shuffled order (seeded by
+    # the round, so every rank agrees) so no optimizer always follows the same other one.
     for i in range(cfg["steps"]):
-        order = kinds[i % len(kinds):] + kinds[: i % len(kinds)]
-        for kind in order:
+        for kind in random.Random(i).sample(kinds, len(kinds)):
             opt, _, set_grads = live[kind]
             set_grads()
             counter.reset()
@@ -138,6 +139,7 @@ def _bench_model(spec, cfg, counter, rank, world_size) -> dict:
         opt, named, set_grads = live[kind]
         if kind.startswith("hf_zero"):
             res["optimizers"][kind]["limits"] = _local_limits(opt, set_grads, cfg)
+    res["flat_full_s"] = _flat_full(res["params"], cfg)
     if world_size > 1:
         consolidated = [k for k in CONSOLIDATE if k in live]
         for _ in range(cfg["consolidate_reps"]):
@@ -155,27 +157,36 @@ def _local_limits(opt, set_grads, cfg) -> dict:
     """hf_zero's local update and sync, each alone, vs the same work done the simplest way.
 
     Local update: the same AdamW on one flat tensor of this rank's element count.
-    Sync: one broadcast per rank of a buffer with the same ranges (gloo's fastest
-    raw collective, DESIGN §3). The four are timed in turn, round after round.
+    Sync: one broadcast per rank of each buffer's ranges (gloo's fastest raw
+    collective, DESIGN §3), on hf_zero's own buffers and on fresh ones of the same
+    size. All are timed in turn, in a shuffled order, round after round.
     """
     n = sum(pc.numel for _, _, pc in opt._pieces)
     flat = torch.nn.Parameter(torch.zeros(n))
     flat.grad = torch.randn(n) * 1e-3
     ref = torch.optim.AdamW([flat], lr=LR)
-    raw_bufs = [(torch.empty_like(opt._buffers[b]), plan.bounds) for b, plan in enumerate(opt._layout.buffers)]
+    fresh = [torch.empty_like(b) for b in opt._buffers]
+    bounds = [plan.bounds for plan in opt._layout.buffers]
 
-    def raw_sync():
-        for buf, bounds in raw_bufs:
-            _raw_broadcasts(buf, bounds)
+    def raw_sync():  # the same collectives on hf_zero's own buffers: what its code adds
+        for buf, bs in zip(opt._buffers, bounds):
+            _raw_broadcasts(buf, bs)
+
+    def raw_sync_fresh():  # on freshly allocated buffers of the same sizes
+        for buf, bs in zip(fresh, bounds):
+            _raw_broadcasts(buf, bs)
 
     def local():
         set_grads()
         opt._local_step()
 
-    calls = {"local_s": local, "flat_local_s": ref.step, "sync_s": opt._sync, "raw_sync_s": raw_sync}
+    calls = {"local_s": local, "flat_local_s": ref.step, "sync_s": opt._sync, "raw_sync_s": raw_sync,
+             "raw_sync_fresh_s": raw_sync_fresh}
     out = {k: [] for k in calls}
+    names = list(calls)
     for i in range(cfg["steps"] + 1):
-        for k, fn in calls.items():
+        for k in random.Random(i).sample(names, len(names)):  # shuffled, as for steps
+            fn = calls[k]
             barrier()
             t0 = time.perf_counter()
             fn()
@@ -184,6 +195,16 @@ def _local_limits(opt, set_grads, cfg) -> dict:
     out["owned_elements"] = n
     out["buffer_bytes"] = sum(b.numel() * b.element_size() for b in opt._buffers)
     return out
+
+
+def _flat_full(n: int, cfg) -> list[float]:
+    """AdamW over one flat tensor of the whole model's element count (an unsharded baseline
+    that suffers the CPU temporaries effect; see docs/benchmarks.md)."""
+    gc.collect()
+    flat = torch.nn.Parameter(torch.zeros(n))
+    flat.grad = torch.randn(n) * 1e-3
+    ref = torch.optim.AdamW([flat], lr=LR)
+    return time_calls(ref.step, warmup=1, steps=cfg["steps"])
 
 
 def _raw_broadcasts(buf, bounds) -> None:
