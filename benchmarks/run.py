@@ -77,7 +77,7 @@ def environment(argv) -> dict:
         commit = None
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python -m benchmarks.run " + " ".join(argv),
+        "command": " ".join(["python -m benchmarks.run", *argv]),
         "git": commit,
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
