@@ -52,6 +52,7 @@ def analyse(ranks: list[dict], cfg: dict, env: dict) -> dict:
                     "sync_throughput_vs_raw_fresh": _max_median(fresh) / _max_median(sync),
                     "ideal_step_ms": 1e3 * (max(median(b) for b in flat) + _max_median(raw)),
                     "buffer_bytes": lim[0]["buffer_bytes"],
+                    "checks_ms": 1e3 * _max_median([x["checks_s"] for x in lim]) if "checks_s" in lim[0] else None,
                 }
             if "rebuild" in rs[0]:
                 freeze = [r["rebuild"]["freeze_s"] for r in rs]
@@ -186,15 +187,16 @@ def markdown(results: dict) -> str:
             lines += [
                 "| hf_zero | local update ms per rank | same AdamW on one flat tensor ms | local / flat "
                 "| sync ms | raw broadcasts, same buffer ms | sync throughput / raw | raw, fresh buffer ms "
-                "| sync / raw fresh | ideal step ms |",
-                "|---|---|---|---|---|---|---|---|---|---|",
+                "| sync / raw fresh | ideal step ms | per-step checks ms (agreement all-reduce) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for k, l in lim:
                 lines.append(
                     f"| {k} | {' / '.join(f'{x:.1f}' for x in l['local_ms_per_rank'])} "
                     f"| {' / '.join(f'{x:.1f}' for x in l['flat_local_ms_per_rank'])} | {l['local_over_flat']:.2f} "
                     f"| {l['sync_ms']:.1f} | {l['raw_sync_ms']:.1f} | {l['sync_throughput_vs_raw']:.2f} "
-                    f"| {l['raw_sync_fresh_ms']:.1f} | {l['sync_throughput_vs_raw_fresh']:.2f} | {l['ideal_step_ms']:.1f} |"
+                    f"| {l['raw_sync_fresh_ms']:.1f} | {l['sync_throughput_vs_raw_fresh']:.2f} | {l['ideal_step_ms']:.1f} "
+                    f"| {'-' if l.get('checks_ms') is None else format(l['checks_ms'], '.3f')} |"
                 )
             lines.append("")
         fl = m["optimizers"].get("hf_zero_flat_bv", {}).get("limits", {})

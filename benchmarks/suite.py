@@ -181,7 +181,9 @@ def _local_limits(opt, set_grads, cfg) -> dict:
         opt._local_step()
 
     calls = {"local_s": local, "flat_local_s": ref.step, "sync_s": opt._sync, "raw_sync_s": raw_sync,
-             "raw_sync_fresh_s": raw_sync_fresh}
+             "raw_sync_fresh_s": raw_sync_fresh,
+             # the per-step checks: requires_grad mask, view integrity and the 24-byte agreement all-reduce
+             "checks_s": opt._prepare}
     out = {k: [] for k in calls}
     names = list(calls)
     for i in range(cfg["steps"] + 1):
