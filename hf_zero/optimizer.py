@@ -200,6 +200,13 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         if anyone_needs:
             self._rebuild(mask)
 
+    def _check_agreement(self) -> None:
+        """Before a checkpoint collective: raise on every rank unless all hold the same params."""
+        mask = tuple(p.requires_grad for p in self._params)
+        agree, _ = self._comm.agree(fingerprint(self._agreement_items(mask)))
+        if not agree:
+            self._raise_disagreement(mask)
+
     def _agreement_items(self, mask) -> list:
         return [(tuple(p.shape), str(p.dtype), p.device.type, m) for p, m in zip(self._params, mask)]
 
@@ -399,6 +406,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         """
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"to must be a rank in [0, {self._comm.world_size}), got {to}")
+        self._check_agreement()
         target = None if device is None else torch.device(device)
         numels = {i: p.numel() for i, p in enumerate(self._params)}
         got = redistribute(
@@ -460,6 +468,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         Atomic: until it returns the directory keeps its previous checkpoint. See
         :mod:`hf_zero.checkpoint` for the format and ``hf-zero consolidate`` / ``inspect``.
         """
+        self._check_agreement()
         checkpoint.save_sharded(self, path)
 
     def load_sharded(self, path) -> None:
@@ -468,6 +477,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         Each rank reads only the ranges it will own. A checkpoint of another model or
         optimizer class raises ``ValueError`` listing the mismatches; nothing changes.
         """
+        self._check_agreement()
         checkpoint.load_sharded(self, path)
 
     def _set_param_names(self, named_params) -> None:

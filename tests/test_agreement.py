@@ -38,3 +38,32 @@ def test_one_rank_freezing_alone_fails_on_every_rank(when):
     assert "ranks disagree on parameter 0.weight" in message
     assert "rank 0: shape=(4, 4), dtype=torch.float32, device=cpu, requires_grad=True" in message
     assert "rank 1: shape=(4, 4), dtype=torch.float32, device=cpu, requires_grad=False" in message
+
+
+def _disagree_before_checkpoint(rank, world_size, op, directory):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=0.1)
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    if rank == 1:
+        model[1].bias.requires_grad_(False)
+    try:
+        if op == "consolidate":
+            opt.consolidate_state_dict(to=0)
+        elif op == "save_sharded":
+            opt.save_sharded(directory)
+        else:
+            opt.load_sharded(directory)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.reliability("Only rank 1 freezes a layer, then {op}", "every rank raises the same RuntimeError naming the param before moving any state")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("op", ["consolidate", "save_sharded", "load_sharded"])
+def test_checkpoint_collectives_check_agreement_first(op, tmp_path):
+    results = run_ranks(_disagree_before_checkpoint, 2, op, str(tmp_path / "ckpt"), timeout=40)
+    assert results[0] == results[1] and results[0] is not None, results
+    assert "ranks disagree on parameter 1.bias" in results[0]
