@@ -175,7 +175,7 @@ def _place(opt, read: Callable[[int, int, int, tuple], dict | None]) -> Holdings
     for i, start, stop, shape in _targets(opt):
         st = read(i, start, stop, shape)
         if st is not None:
-            held[i] = [Holding(start, stop, shape, opt._cast(st, i))]
+            held.setdefault(i, []).append(Holding(start, stop, shape, opt._cast(st, i)))  # flat: maybe several
     return held
 
 

@@ -15,6 +15,26 @@ owner of a piece alone keeps optimizer state for it and updates it.
   straddle ranks. Balance is perfect; valid for elementwise optimizers only.
 - ``param``: ranges fall on param boundaries (params are grouped by owner inside
   the buffer), balanced greedily over the trainable params only.
+
+[Note: chunked pieces]
+In flat mode a piece longer than ``_MAX_PIECE_ELEMENTS`` is split into equal
+chunks of at most that many elements (each but the last a multiple of the
+alignment, so chunks start aligned wherever the piece does). Chunk boundaries
+depend only on the piece, hence only on the layout: every rank, every rebuild and
+every checkpoint sees the same pieces. Param mode keeps whole params (its optimizer
+need not be elementwise).
+
+Why: on CPU torch's AdamW runs its single-tensor path and allocates temporaries as
+large as each tensor; above glibc's mmap threshold every step maps and faults in
+fresh pages. Measured (one process, AdamW over rank 0's range of the benchmarks'
+``gpt2_embedding_heavy`` model at world size 2, one 16M-element slice of the
+embedding, 7 steps, median): 102 ms as one piece, 85 ms in chunks of <= 4M
+elements, 54 ms in chunks of <= 1M (rank 1, 27 pieces: 85 / 76 / 56 ms). The same
+chunks are used on GPUs: foreach and fused kernels take tensor lists and already
+process them in blocks far below 1M elements (``multi_tensor_apply``), so 1M-element
+chunks only add list entries (~125 per 1B-parameter shard of 8), not launches worth
+measuring; ``benchmarks/gpu_local_update.py`` times flat pieces against one flat
+tensor there.
 """
 
 from __future__ import annotations
@@ -29,6 +49,10 @@ SHARD_MODES = ("flat", "param")
 
 # Each rank's range in flat mode starts on a multiple of this many bytes.
 _ALIGN_BYTES = 64
+
+# Longest flat-mode piece, in elements (see [Note: chunked pieces]). Read when a
+# layout is planned, so tests may lower it for a process.
+_MAX_PIECE_ELEMENTS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -88,17 +112,29 @@ class Layout:
     world_size: int
     shard: str
     buffers: tuple[BufferPlan, ...]
+    max_piece: int = _MAX_PIECE_ELEMENTS  # flat mode only; see [Note: chunked pieces]
 
     def pieces(self, rank: int) -> list[Piece]:
-        """The pieces rank ``rank`` owns, buffer by buffer, in buffer order."""
+        """The pieces rank ``rank`` owns, buffer by buffer, in buffer order.
+
+        In flat mode a param's range on a rank may come as several consecutive pieces.
+        """
         out = []
         for b, buf in enumerate(self.buffers):
             lo, hi = buf.range_of(rank)
+            align = max(1, _ALIGN_BYTES // buf.dtype.itemsize)
             for slot in buf.slots:
                 start = max(lo - slot.offset, 0)
                 stop = min(hi - slot.offset, slot.numel)
-                if start < stop:
-                    out.append(Piece(slot.index, b, start, stop, slot.offset + start))
+                if start >= stop:
+                    continue
+                step = stop - start
+                if self.shard == "flat" and step > self.max_piece:
+                    parts = -(-step // self.max_piece)
+                    step = -(-step // parts)
+                    step = min(-(-step // align) * align, self.max_piece)
+                for a in range(start, stop, step):
+                    out.append(Piece(slot.index, b, a, min(a + step, stop), slot.offset + a))
         return out
 
     def all_pieces(self) -> list[list[Piece]]:
@@ -137,7 +173,7 @@ def plan_layout(specs: Sequence[ParamSpec], *, world_size: int, shard: str) -> L
     else:
         owner = _param_owners(specs, world_size)
         buffers = [_param_buffer(dev, dt, idx, specs, owner, world_size) for (dev, dt), idx in keys.items()]
-    return Layout(world_size, shard, tuple(buffers))
+    return Layout(world_size, shard, tuple(buffers), _MAX_PIECE_ELEMENTS)
 
 
 def _flat_buffer(device, dtype, indices, specs, world_size) -> BufferPlan:

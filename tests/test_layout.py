@@ -1,5 +1,6 @@
 """The layout planner as a pure function: ownership, balance, and torch's partition as a floor."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hf_zero import layout as layout_module
 from hf_zero.layout import ParamSpec, plan_layout, torch_zero_loads
 
 ALIGN_BYTES = 64
@@ -64,10 +66,29 @@ def check_mode(specs, layout) -> None:
             align = max(1, ALIGN_BYTES // buf.dtype.itemsize)
             assert all(b % align == 0 for b in buf.bounds)
             assert buf.size - sum(s.numel for s in buf.slots) < layout.world_size * align, "too much padding"
+        for rank in range(layout.world_size):
+            check_chunks(layout, layout.pieces(rank))
     else:
         for rank in range(layout.world_size):
             for pc in layout.pieces(rank):
                 assert pc.start == 0 and pc.stop == specs[pc.index].numel, "param mode split a param"
+
+
+def check_chunks(layout, pieces) -> None:
+    """Flat pieces are at most ``max_piece`` long; a param's range on a rank is split into
+    consecutive chunks of one length (but the last), aligned where the range starts aligned."""
+    assert all(pc.numel <= layout.max_piece for pc in pieces), "a flat piece is longer than max_piece"
+    runs: dict[int, list] = {}
+    for pc in pieces:
+        runs.setdefault(pc.index, []).append(pc)
+    for run in runs.values():
+        assert all(a.stop == b.start and a.offset + a.numel == b.offset for a, b in zip(run, run[1:]))
+        assert len({pc.numel for pc in run[:-1]}) <= 1 and run[-1].numel <= run[0].numel
+        total = run[-1].stop - run[0].start
+        assert len(run) == -(-total // layout.max_piece), "more chunks than needed"
+        align = max(1, ALIGN_BYTES // layout.buffers[run[0].buffer].dtype.itemsize)
+        if run[0].offset % align == 0 and layout.max_piece % align == 0:
+            assert all(pc.offset % align == 0 for pc in run), "chunks of an aligned range must start aligned"
 
 
 spec_strategy = st.builds(
@@ -89,6 +110,42 @@ def test_every_trainable_element_owned_exactly_once(specs, world_size, shard):
     check_ownership(specs, layout)
     check_mode(specs, layout)
     assert plan_layout(list(specs), world_size=world_size, shard=shard) == layout, "not a pure function"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    specs=st.lists(spec_strategy, max_size=30),
+    world_size=st.integers(1, 9),
+    shard=st.sampled_from(["flat", "param"]),
+    max_piece=st.one_of(st.integers(1, 40), st.sampled_from([64, 256, 1000])),
+)
+def test_chunked_pieces_still_own_every_element_once(specs, world_size, shard, max_piece):
+    layout = dataclasses.replace(plan_layout(specs, world_size=world_size, shard=shard), max_piece=max_piece)
+    check_ownership(specs, layout)
+    check_mode(specs, layout)  # param mode: whole params whatever max_piece says
+    unchunked = dataclasses.replace(layout, max_piece=10**12)
+    assert layout.owned_elements() == unchunked.owned_elements() and layout.balance() == unchunked.balance()
+
+
+def test_large_flat_pieces_are_chunked_by_default():
+    specs = [ParamSpec(16_000_005, torch.float32, "cpu", True), ParamSpec(3000, torch.float32, "cpu", True)]
+    limit = layout_module._MAX_PIECE_ELEMENTS
+    flat = plan_layout(specs, world_size=2, shard="flat")
+    assert flat.max_piece == limit == 1 << 20
+    for rank in range(2):
+        pieces = flat.pieces(rank)
+        assert max(pc.numel for pc in pieces) <= limit and len(pieces) >= 8
+        check_chunks(flat, pieces)
+    param = plan_layout(specs, world_size=2, shard="param")
+    assert sorted(pc.numel for r in range(2) for pc in param.pieces(r)) == [3000, 16_000_005]
+
+
+def test_chunk_limit_is_read_when_planning(monkeypatch):
+    specs = [ParamSpec(100, torch.float32, "cpu", True)]
+    monkeypatch.setattr(layout_module, "_MAX_PIECE_ELEMENTS", 16)
+    layout = plan_layout(specs, world_size=1, shard="flat")
+    assert [(pc.start, pc.stop) for pc in layout.pieces(0)] == [(a, min(a + 16, 100)) for a in range(0, 100, 16)]
+    assert layout != dataclasses.replace(layout, max_piece=1 << 20), "the limit is part of the layout"
 
 
 @settings(max_examples=300, deadline=None)
