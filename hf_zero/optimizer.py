@@ -402,7 +402,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         State moves with tensor collectives, a bounded round at a time: rank ``to``
         needs about the full state once (plus one round), the others about their
         own shard. ``device="cpu"`` gathers into CPU memory (default: each param's
-        device).
+        device). State rank ``to`` already holds whole is not copied: like
+        ``torch.optim.Optimizer.state_dict()``, the result shares those tensors with
+        the live state, so save or copy it before the next step.
         """
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"to must be a rank in [0, {self._comm.world_size}), got {to}")
@@ -417,6 +419,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
             device_of=lambda i: target or self._params[i].device,
             names=self._name,
             piece_shape=lambda i, start, stop: tuple(self._params[i].shape),
+            reuse_own=True,  # see [Note: reused holdings]
         )
         if self._comm.rank == to:
             self._consolidated = {i: shape_as(hs[0], self._params[i].shape) for i, hs in sorted(got.items())}

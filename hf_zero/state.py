@@ -70,6 +70,7 @@ def redistribute(
     device_of: Callable[[int], torch.device],
     names: Callable[[int], str] = str,
     piece_shape: Callable[[int, int, int], tuple[int, ...]] | None = None,
+    reuse_own: bool = False,
 ) -> Holdings:
     """Move state so each target ``(rank, start, stop)`` of param ``i`` holds its elements.
 
@@ -81,6 +82,10 @@ def redistribute(
 
     Pass the shape the receiver steps the piece as: a 1-D holding shape is ambiguous
     with a blob of that shape (Adafactor's column factor of a ``(1, n)`` param).
+
+    ``reuse_own=True``: where one of this rank's own holdings is exactly a target of
+    this rank, the result shares its tensors (viewed) instead of copying them, so the
+    caller must accept that they alias ``held`` (see [Note: reused holdings]).
     """
     metas = comm.all_gather_object(describe(held))
     sources: dict[int, list[tuple[int, int, int, dict]]] = {}
@@ -125,15 +130,22 @@ def redistribute(
     me = comm.rank
     out: Holdings = {}
     dest: dict[tuple[int, int], dict[str, Any]] = {}
+    reused: set[tuple[int, int]] = set()
     for (i, dst, ts), parts in plan.items():
         if dst != me:
             continue
         device = device_of(i)
         te = ts + sum(hi - lo for _, lo, hi, _ in parts)
         shape = tuple(piece_shape(i, ts, te)) if piece_shape else (te - ts,)
+        mine_only = len(parts) == 1 and parts[0][0] == me
+        own = _own_views(held.get(i, ()), ts, te, shape, device) if reuse_own and mine_only else None
+        if own is not None:
+            reused.add((i, ts))
         state: dict[str, Any] = {}
         for key, kind in parts[0][3].items():
-            if kind[0] == "e":
+            if own is not None and key in own:
+                state[key] = own[key]
+            elif kind[0] == "e":
                 state[key] = torch.empty(shape, dtype=_dtype(kind[1]), device=device)
             elif kind[0] == "t":
                 _, value, dt, on_cpu = kind
@@ -145,6 +157,7 @@ def redistribute(
         dest[(i, ts)] = state
         out.setdefault(i, []).append(Holding(ts, te, shape, state))
 
+    transfers = [t for t in transfers if (t[2], t[8]) not in reused or t[1] != me]
     for dtype_name in sorted({t[6] for t in transfers}):
         dtype = _dtype(dtype_name)
         group = [t for t in transfers if t[6] == dtype_name]
@@ -171,6 +184,34 @@ def redistribute(
                 _put(dest[(i, ts)], key, lo - ts, chunks[src][cursor[src] : cursor[src] + n], shape, device_of(i))
                 cursor[src] += n
     return out
+
+
+# [Note: reused holdings]
+# Gathering whole params onto a rank that already holds some of them whole
+# (param mode, or a small param inside one flat piece) needs no new memory for
+# those: with reuse_own the gathered state is a view of the holding. The caller
+# (consolidate_state_dict) then returns tensors that share memory with the live
+# optimizer state, as torch.optim.Optimizer.state_dict() and torch's
+# ZeroRedundancyOptimizer (for its own partition) do: valid until the next step,
+# which is when consolidated state is invalidated anyway. A rebuild never reuses:
+# its new state must outlive the old holdings without pinning them.
+def _own_views(holdings, ts: int, te: int, shape: tuple, device) -> dict[str, torch.Tensor] | None:
+    """The tensors of the holding that is exactly ``ts:te``, viewed as ``shape``, when all are on ``device``."""
+    for h in holdings:
+        if h.start == ts and h.stop == te:
+            out = {}
+            for key, value in h.state.items():
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue  # scalars are rebuilt from metadata as usual
+                if value.device != torch.device(device):
+                    return None
+                if tuple(value.shape) == tuple(h.shape):
+                    if not value.is_contiguous():
+                        return None
+                    value = value.view(shape)
+                out[key] = value
+            return out
+    return None
 
 
 def _put(state: dict, key: str, at: int, flat: torch.Tensor, blob_shape, device) -> None:
