@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 import torch
 
-from . import checkpoint
+from . import checkpoint, reference
 from .comm import Comm, fingerprint
 from .layout import Layout, ParamSpec, Piece, plan_layout
 from .state import Holding, Holdings, redistribute, shape_as
@@ -131,6 +131,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         self._ptrs: dict[int, int] = {}
         self._parked: Holdings = {}
         self._consolidated: dict | None = None
+        self._sharded_ref: tuple[int, dict] | None = None  # see [Note: sharded reference]
+        self._pending_sharded: dict | None = None
         self._has_state = False
         self._state_version = 0  # bumped whenever state values change (see checkpoint.ShardedState)
         self._names_by_id: dict[int, str] = {}
@@ -189,6 +191,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
 
     def _prepare(self, force: bool = False) -> None:
         """Check trainability and views; rebuild on every rank if any rank needs it."""
+        reference.check_pending(self)
         mask = tuple(p.requires_grad for p in self._params)
         intact = self._views_intact()
         if mask != self._mask or not intact or self._fingerprint is None:
@@ -408,6 +411,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         """
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"to must be a rank in [0, {self._comm.world_size}), got {to}")
+        reference.check_pending(self)
         self._check_agreement()
         target = None if device is None else torch.device(device)
         numels = {i: p.numel() for i, p in enumerate(self._params)}
@@ -436,8 +440,13 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         raises an error naming that fix, and only this optimizer's
         :meth:`load_state_dict` accepts it, keeping the state each rank holds (so
         Accelerate's ``state_dict()``/``load_state_dict()`` round trip in
-        ``AcceleratedOptimizer.__init__`` works at any point of training).
+        ``AcceleratedOptimizer.__init__`` works at any point of training). Integrations
+        writing sharded checkpoints make it a small reference to one instead (see
+        :mod:`hf_zero.reference`).
         """
+        ref = reference.state_dict_for(self)
+        if ref is not None:
+            return ref
         sharded = None
         if self._consolidated is None:
             if self._comm.world_size == 1:
@@ -460,8 +469,12 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         (it may live on the CPU: only this rank's pieces are copied to the device).
         A dict of another model (group sizes, ``param_names``, state shapes) or
         another optimizer class raises ``ValueError`` listing the mismatches, and
-        nothing changes. Not a collective.
+        nothing changes. Not a collective. A reference to a sharded checkpoint (see
+        :mod:`hf_zero.reference`) is kept pending until loaded; stepping before raises.
         """
+        if reference.is_reference(state_dict):
+            reference.load(self, state_dict)
+            return
         checkpoint.load_state_dict(self, state_dict)
 
     def save_sharded(self, path) -> None:
@@ -472,6 +485,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         :mod:`hf_zero.checkpoint` for the format and ``hf-zero consolidate`` / ``inspect``.
         """
         self._check_agreement()
+        reference.check_pending(self)
         checkpoint.save_sharded(self, path)
 
     def load_sharded(self, path) -> None:
@@ -492,6 +506,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         """Take loaded hyperparameters and this rank's loaded state (None: keep the current state)."""
         for mine, hp in zip(self.param_groups, hyperparams):
             mine.update(hp)
+        self._pending_sharded = None
         # Every rank loads, and at the next step every rank rebuilds through
         # redistribute: whether it has to must not depend on what this rank holds.
         self._layout = None

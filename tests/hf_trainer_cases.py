@@ -119,6 +119,7 @@ def run_trainer(
     resume=None,
     overflow=None,
     explicit_callback=False,
+    sharded_checkpoints=False,
     plain_module=False,
     **overrides,
 ):
@@ -166,8 +167,8 @@ def run_trainer(
     args = TrainingArguments(**kwargs)
     optimizers = (trainer_style_adamw(model, args), None) if reference else (None, None)
     callbacks = [TrainabilitySchedule(schedule or {})]
-    if explicit_callback:  # as well as the default one: must not act twice
-        callbacks.insert(0, hf_zero.ZeroBucketCallback())
+    if explicit_callback or sharded_checkpoints:  # as well as the default one: must not act twice
+        callbacks.insert(0, hf_zero.ZeroBucketCallback(sharded_checkpoints=sharded_checkpoints))
     if overflow:
         callbacks.append(OverflowOnRank1(*overflow))
     trainer = (CpuGradScalerTrainer if overflow else Trainer)(

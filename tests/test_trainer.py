@@ -5,7 +5,9 @@ Trainer with torch AdamW on the same global batch (float64, data read in order).
 """
 
 import json
+import os
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -255,3 +257,93 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     # skips step 4 on both ranks (no hang), and the scale backs off once on both.
     assert fp16[2]["skipped"] == other_rank[9][2]["skipped"] == [False, False, False, True, False]
     assert fp16[2]["scale"] == other_rank[9][2]["scale"] == 2.0**9
+
+
+# -- sharded checkpoints ---------------------------------------------------------------------
+@pytest.mark.reliability("Trainer with ZeroBucketCallback(sharded_checkpoints=True): save at step 4 on 2 ranks, resume on 2 and on 1 rank", "equal to the uninterrupted run (1e-12); optimizer.pt is a tiny reference, loadable with weights_only=True")
+@pytest.mark.timeout(240)
+def test_trainer_sharded_checkpoints_resume_on_two_and_one_rank(tmp_path):
+    from hf_zero import checkpoint, reference
+
+    main, ckpt = str(tmp_path / "main"), str(tmp_path / "main" / "checkpoint-4")
+    sharded = dict(MAIN, sharded_checkpoints=True)
+    two = run_ranks(run_many, 2, [
+        ("run_trainer", dict(output_dir=main, **sharded)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "resume2"), resume=ckpt, **sharded)),
+    ], timeout=220)
+    # Moved (the path recorded at save time is gone), resumed by one process with the
+    # default (consolidating) callback: found through Trainer's resume path and loaded.
+    shutil.move(ckpt, str(tmp_path / "moved"))
+    ckpt = str(tmp_path / "moved")
+    (resumed1,), = run_ranks(run_many, 1, [("run_trainer", dict(output_dir=str(tmp_path / "resume1"), resume=ckpt, **MAIN))],
+                             timeout=120)
+    (uninterrupted, resumed2), other_rank = two
+    for run0, run1 in zip(two[0], other_rank):
+        _assert_params_close(run0[0], run1[0], 0.0, "rank 1 vs rank 0")
+    _assert_params_close(resumed2[0], uninterrupted[0], 1e-13, "sharded resume on 2 ranks")
+    _assert_params_close(resumed1[0], uninterrupted[0], 1e-12, "sharded resume on 1 rank")
+
+    # The checkpoint: the sharded state of both ranks, and an optimizer.pt that only refers to it.
+    initial = dict(tiny_bert().named_parameters())
+    shards = os.path.join(ckpt, hf_tr.SHARDED_DIR)
+    assert checkpoint.is_sharded_checkpoint(shards)
+    assert sum(name.endswith("-of-00002.safetensors") for name in os.listdir(shards)) == 2
+    marker = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True)
+    assert marker["state"] == {} and marker["param_groups"] == []
+    assert marker[reference.KEY]["token"] == reference.token_at(shards) and marker[reference.KEY]["step"] == 4
+    assert os.path.getsize(os.path.join(ckpt, "optimizer.pt")) < 2000
+    full = checkpoint.consolidate_checkpoint(shards)
+    assert len(full["state"]) == len(initial) and all("exp_avg_sq" in st for st in full["state"].values())
+    # The resumed 2-rank run wrote its final checkpoint sharded too; the 1-process one consolidated.
+    assert checkpoint.is_sharded_checkpoint(str(tmp_path / "resume2" / "checkpoint-7" / hf_tr.SHARDED_DIR))
+    final1 = torch.load(str(tmp_path / "resume1" / "checkpoint-7" / "optimizer.pt"), weights_only=True)
+    assert len(final1["state"]) == len(initial)
+
+
+def test_sharded_reference_is_never_silently_ignored(tmp_path):
+    """A loaded reference must be resolved before any step; a plain optimizer refuses it."""
+    from hf_zero import reference
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3).double()
+        return model, hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=0.1)
+
+    def step(model, opt):
+        model(torch.ones(2, 4, dtype=torch.float64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = build()
+    step(model, opt)
+    path = str(tmp_path / "ckpt" / "hf_zero_optimizer")
+    opt.save_sharded(path)
+    reference.refer(opt, path, step=1)
+    marker = opt.state_dict()
+    assert marker[reference.KEY]["path"] == path and marker["state"] == {}
+    opt.load_state_dict(marker)  # its own current state: nothing to load
+    step(model, opt)
+    assert "state" in opt.state_dict() and reference.KEY not in opt.state_dict()  # the state changed
+
+    model2, opt2 = build()
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        torch.optim.AdamW(model2.parameters()).load_state_dict(marker)
+    opt2.load_state_dict(marker)
+    assert opt2.state_dict() == marker  # still pending: it stands for that checkpoint
+    with pytest.raises(RuntimeError, match="reference to the sharded optimizer checkpoint .* not loaded yet"):
+        step(model2, opt2)
+    opt2.zero_grad()  # the failed step's backward left grads
+    moved = str(tmp_path / "moved")
+    os.rename(str(tmp_path / "ckpt"), moved)
+    with pytest.raises(RuntimeError, match=r"cannot find the sharded optimizer checkpoint .*looked in \[.*elsewhere"):
+        reference.load_pending(opt2, [str(tmp_path / "elsewhere")])
+    assert reference.load_pending(opt2, [os.path.join(moved, "hf_zero_optimizer")]) == os.path.join(moved, "hf_zero_optimizer")
+    # Equal to the original after the same step from the saved state.
+    model3, opt3 = build()
+    step(model3, opt3)
+    for p2, p3 in zip(model2.parameters(), model3.parameters()):
+        p2.data.copy_(p3.data)
+    step(model2, opt2)
+    step(model3, opt3)
+    for p2, p3 in zip(model2.parameters(), model3.parameters()):
+        assert torch.equal(p2, p3)

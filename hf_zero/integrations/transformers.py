@@ -7,6 +7,7 @@ adds the callback to ``transformers.trainer.DEFAULT_CALLBACKS``. Both are idempo
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import weakref
 from typing import Any
@@ -19,12 +20,14 @@ from transformers import PreTrainedModel, TrainerCallback
 from transformers.optimization import Adafactor
 from transformers.training_args import OptimizerNames
 
+from .. import reference
 from ..optimizer import ZeroBucketOptimizer
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
 
 logger = logging.getLogger(__name__)
 
 OPTIM_NAME = "zero_bucket"
+SHARDED_DIR = "hf_zero_optimizer"  # inside a Trainer checkpoint, with sharded_checkpoints=True
 
 # inner name -> (optimizer class, fixed kwargs, uses Adam's betas/eps, extra optim_args keys)
 _INNER: dict[str, tuple[type, dict, bool, tuple[str, ...]]] = {
@@ -185,6 +188,9 @@ def _ours(optimizer) -> ZeroBucketOptimizer | None:
 # optimizer -> the callback instance driving it (a callback passed explicitly *and*
 # added by default must not rebuild or consolidate twice)
 _DRIVER: "weakref.WeakKeyDictionary[ZeroBucketOptimizer, TrainerCallback]" = weakref.WeakKeyDictionary()
+# optimizer -> whether its Trainer checkpoints are sharded: set by the driver at train
+# begin, then by any ZeroBucketCallback(sharded_checkpoints=True) of the same Trainer
+_SHARDED_SAVES: "weakref.WeakKeyDictionary[ZeroBucketOptimizer, bool]" = weakref.WeakKeyDictionary()
 
 
 class ZeroBucketCallback(TrainerCallback):
@@ -203,12 +209,25 @@ class ZeroBucketCallback(TrainerCallback):
       Trainer's default with gradient checkpointing);
     - right before a checkpoint save it consolidates the optimizer state on rank 0,
       so ``optimizer.pt`` is complete (Trainer calls ``state_dict()`` on rank 0 only);
+      with ``sharded_checkpoints=True`` every rank instead writes its own state to
+      ``checkpoint-N/hf_zero_optimizer`` (``save_sharded``, no gather) and
+      ``optimizer.pt`` is a small reference to it (see :mod:`hf_zero.reference`);
+    - at train begin, when ``resume_from_checkpoint`` loaded such a reference, it loads
+      the sharded state (any number of processes), from the resumed checkpoint;
     - it adds ZeRO facts (per-rank trainable elements and optimizer-state bytes,
       rebuild count) to ``state.log_history`` at train begin and after each rebuild,
       and to the next logged line.
+
+    Args:
+        sharded_checkpoints: write sharded optimizer state into Trainer checkpoints
+            instead of consolidating it on rank 0. Pass
+            ``callbacks=[ZeroBucketCallback(sharded_checkpoints=True)]`` to the Trainer
+            (it takes effect alongside the default instance). All ranks must see the
+            output directory.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sharded_checkpoints: bool = False) -> None:
+        self.sharded_checkpoints = bool(sharded_checkpoints)
         self._rebuilds_logged = -1
         self._pending: dict[str, Any] = {}
 
@@ -255,15 +274,27 @@ class ZeroBucketCallback(TrainerCallback):
     # -- events ----------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         opt = _ours(optimizer)
-        if opt is None or _DRIVER.get(opt) not in (None, self):
+        if opt is None:
+            return
+        if _DRIVER.get(opt) not in (None, self):
+            if self.sharded_checkpoints:
+                _SHARDED_SAVES[opt] = True
             return
         _DRIVER[opt] = self
+        _SHARDED_SAVES[opt] = self.sharded_checkpoints
         # DDP was built just before this event. Trainer sets accelerate's shared
         # GradientState.sync_gradients before each micro-batch.
         from accelerate.state import GradientState
 
         attach_grad_averaging(model, opt, syncing=lambda: GradientState().sync_gradients)
         guard_frozen_under_ddp(model, opt, find_unused_parameters=_ddp_find_unused(args, model), hint=_DDP_HINT)
+        # Trainer loaded optimizer.pt before this event; a sharded reference is loaded
+        # here, before any step (collective).
+        candidates = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
+        resumed = _resume_dir()
+        if resumed is not None:
+            candidates.insert(0, resumed)
+        reference.load_pending(opt, [os.path.join(c, SHARDED_DIR) for c in candidates])
         opt._prepare()
         self._rebuilds_logged = -1
         self._record(opt, state)
@@ -280,19 +311,25 @@ class ZeroBucketCallback(TrainerCallback):
         if opt is not None:
             self._record(opt, state)  # the step itself rebuilds after late trainability changes
 
-    def _before_save(self, args, control, optimizer) -> None:
+    def _before_save(self, args, state, control, optimizer) -> None:
         opt = self._mine(optimizer)
         if opt is None or not control.should_save or args.save_only_model:
             return
-        # [Note: checkpoint hook] Trainer writes optimizer.pt from rank 0's state_dict().
-        # A sharded (per-rank) checkpoint format would be written from here instead.
-        opt.consolidate_state_dict(to=0)
+        # [Note: checkpoint hook] Trainer writes optimizer.pt from rank 0's state_dict(),
+        # then trainer_state.json, then rotates old checkpoints. Writing the sharded
+        # state first means a checkpoint whose optimizer.pt refers to it holds it.
+        if _SHARDED_SAVES.get(opt):
+            path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", SHARDED_DIR)
+            opt.save_sharded(path)
+            reference.refer(opt, path, step=state.global_step)
+        else:
+            opt.consolidate_state_dict(to=0)
 
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
-        self._before_save(args, control, optimizer)
+        self._before_save(args, state, control, optimizer)
 
     def on_epoch_end(self, args, state, control, optimizer=None, **kwargs):
-        self._before_save(args, control, optimizer)
+        self._before_save(args, state, control, optimizer)
 
     def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
         if self._mine(optimizer) is not None and logs is not None and self._pending:
@@ -305,6 +342,22 @@ _DDP_HINT = (
     "gradient_checkpointing_kwargs={'use_reentrant': False}, transformers' default), or freeze the "
     "param before the Trainer starts."
 )
+
+
+def _resume_dir() -> str | None:
+    """The ``resume_from_checkpoint`` directory of the running ``Trainer.train``, if any.
+
+    Trainer does not pass it to callbacks; it is a local of ``_inner_training_loop``
+    (transformers 5.x), which calls ``on_train_begin``. Other candidates (and the
+    token check in :func:`hf_zero.reference.load_pending`) cover other versions.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_inner_training_loop" and isinstance(frame.f_locals.get("self"), transformers.Trainer):
+            resumed = frame.f_locals.get("resume_from_checkpoint")
+            return resumed if isinstance(resumed, (str, os.PathLike)) else None
+        frame = frame.f_back
+    return None
 
 
 def _ddp_find_unused(args, model) -> bool:
