@@ -51,7 +51,7 @@ def _accelerator(**kwargs):
     return Accelerator(cpu=True, kwargs_handlers=handlers, **kwargs)
 
 
-def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir):
+def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir, sharded_checkpoints=False):
     os.environ.update(LOCAL_RANK=str(rank), ACCELERATE_USE_CPU="1")
     accelerator = _accelerator(gradient_accumulation_steps=ACC_STEPS)
     model = _model()
@@ -63,7 +63,7 @@ def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir):
         model = accelerator.prepare(model)
         optimizer = hf_zero.ZeroBucketOptimizer(_groups(model.module), torch.optim.AdamW, lr=LR)
         optimizer, loader = accelerator.prepare(optimizer, loader)
-    hf_zero.prepare_accelerator(accelerator)
+    hf_zero.prepare_accelerator(accelerator, sharded_checkpoints=sharded_checkpoints)
     batches = list(loader)
 
     def train(first_step, last_step):
@@ -239,3 +239,30 @@ def test_prepare_accelerator_needs_a_prepared_zero_optimizer():
     accelerator.prepare(model, hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW))
     with pytest.raises(ValueError, match="save_on_each_node=True"):
         hf_zero.prepare_accelerator(accelerator)
+
+
+def _sharded_save_state_run(rank, world_size, root):
+    return _accelerate_run(rank, world_size, build_before_prepare=True, save_dir=os.path.join(root, "sharded"),
+                           sharded_checkpoints=True)
+
+
+@pytest.mark.reliability("Accelerate save_state/load_state with prepare_accelerator(sharded_checkpoints=True), 2 ranks", "each rank writes its own state; optimizer.bin is a tiny reference; load_state then the same steps is exact")
+@pytest.mark.timeout(150)
+def test_sharded_save_state_load_state_round_trip_is_exact(tmp_path):
+    from hf_zero import checkpoint, reference
+
+    r0, r1 = run_ranks(_sharded_save_state_run, 2, str(tmp_path), timeout=130)
+    reference_params = _reference()
+    for n in reference_params:
+        assert torch.equal(r0["final"][n], r1["final"][n]), f"replicas differ: {n}"
+        torch.testing.assert_close(r0["final"][n], reference_params[n], rtol=0, atol=1e-12, msg=lambda m: f"{n}: {m}")
+        assert torch.equal(r0["after_load"][n], r0["at_save"][n]), f"load_state: {n}"
+        assert torch.equal(r0["replayed"][n], r0["final"][n]), f"replay after load_state: {n}"
+    saved = tmp_path / "sharded"
+    shards = str(saved / "hf_zero_optimizer")
+    assert checkpoint.is_sharded_checkpoint(shards)
+    assert sum(name.endswith("-of-00002.safetensors") for name in os.listdir(shards)) == 2
+    marker = torch.load(str(saved / "optimizer.bin"), weights_only=True)
+    assert marker["state"] == {} and marker[reference.KEY]["token"] == reference.token_at(shards)
+    assert os.path.getsize(saved / "optimizer.bin") < 2000
+    assert len(checkpoint.consolidate_checkpoint(shards)["state"]) == len(reference_params)

@@ -5,15 +5,19 @@ Needs no import of accelerate: it works on the ``Accelerator`` object it is give
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections import defaultdict
 
 import torch
 
+from .. import reference
 from ..optimizer import ZeroBucketOptimizer
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
 from ._views import release_views
 
 _HOOKED = "_hf_zero_hooks"
+_SHARDED = "_hf_zero_sharded_checkpoints"
 _DDP_HINT = (
     "To freeze params during training, build the Accelerator with "
     "kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)], or freeze them before "
@@ -31,7 +35,18 @@ def _zero_optimizers(accelerator) -> list[ZeroBucketOptimizer]:
     return [o for o in (_ours(opt) for opt in accelerator._optimizers) if o is not None]
 
 
-def prepare_accelerator(accelerator) -> None:
+def _indexed(accelerator) -> list[tuple[str, ZeroBucketOptimizer]]:
+    """``(sharded directory name, optimizer)``, named after Accelerate's optimizer files
+    (``optimizer.bin``, ``optimizer_1.bin``, ...)."""
+    out = []
+    for i, opt in enumerate(accelerator._optimizers):
+        ours = _ours(opt)
+        if ours is not None:
+            out.append(("hf_zero_optimizer" if i == 0 else f"hf_zero_optimizer_{i}", ours))
+    return out
+
+
+def prepare_accelerator(accelerator, *, sharded_checkpoints: bool = False) -> None:
     """Make an ``accelerate.Accelerator`` safe for :class:`~hf_zero.ZeroBucketOptimizer`.
 
     Call it on every rank right after ``accelerator.prepare(model, optimizer, ...)``
@@ -50,6 +65,12 @@ def prepare_accelerator(accelerator) -> None:
       tensors with their own storage; a save-state hook consolidates the optimizer
       state on the main process, and a load-state hook releases the views before
       loading (they are rebuilt, with the loaded values, at the next step).
+
+    With ``sharded_checkpoints=True`` the save-state hook instead has every rank write
+    its own state to ``<output_dir>/hf_zero_optimizer`` (``save_sharded``, no gather;
+    all ranks must see the directory) and ``optimizer.bin`` is a small reference to it
+    (see :mod:`hf_zero.reference`). ``load_state`` loads such a directory whenever the
+    checkpoint has one, in either mode, on any number of processes.
 
     Raises ``ValueError`` when no prepared optimizer is a ZeroBucketOptimizer, or when
     ``save_on_each_node`` is set (one complete optimizer file per node is not
@@ -77,6 +98,7 @@ def prepare_accelerator(accelerator) -> None:
         accelerator.register_load_state_pre_hook(_load_hook(accelerator))
         accelerator.get_state_dict = _owning_get_state_dict(accelerator, accelerator.get_state_dict)
         setattr(accelerator, _HOOKED, True)
+    setattr(accelerator, _SHARDED, bool(sharded_checkpoints))
 
 
 def _find_unused(accelerator) -> bool:
@@ -123,7 +145,14 @@ def _owning_get_state_dict(accelerator, get_state_dict):
 
 def _save_hook(accelerator):
     def hook(models, weights, output_dir):
-        for opt in _zero_optimizers(accelerator):
+        for name, opt in _indexed(accelerator):
+            path = os.path.join(output_dir, name)
+            if getattr(accelerator, _SHARDED, False):
+                opt.save_sharded(path)
+                reference.refer(opt, path)
+                continue
+            if accelerator.is_main_process and os.path.isdir(path):
+                shutil.rmtree(path)  # a sharded state of an earlier save here: load_state would take it
             main = 0  # accelerate saves on the process with global rank 0
             opt.consolidate_state_dict(to=main)
             if opt._comm.rank != main:
@@ -138,7 +167,13 @@ def _load_hook(accelerator):
     def hook(models, input_dir):
         # safetensors' load_model treats params sharing a storage as tied duplicates
         # and reports them as unexpected keys: load into params that own their storage.
-        for opt in _zero_optimizers(accelerator):
+        for name, opt in _indexed(accelerator):
             release_views(opt)
+            path = os.path.join(input_dir, name)
+            # Every rank must take the same branch: the directory is shared.
+            if reference.token_at(path) is not None:
+                # Accelerate then loads optimizer.bin: the reference to this state, a no-op.
+                opt.load_sharded(path)
+                reference.refer(opt, path)
 
     return hook
