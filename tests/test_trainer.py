@@ -270,6 +270,8 @@ def test_trainer_sharded_checkpoints_resume_on_two_and_one_rank(tmp_path):
     two = run_ranks(run_many, 2, [
         ("run_trainer", dict(output_dir=main, **sharded)),
         ("run_trainer", dict(output_dir=str(tmp_path / "resume2"), resume=ckpt, **sharded)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "rotate"), sharded_checkpoints=True, save_strategy="steps",
+                             save_steps=2, max_steps=5, save_total_limit=1)),
     ], timeout=220)
     # Moved (the path recorded at save time is gone), resumed by one process with the
     # default (consolidating) callback: found through Trainer's resume path and loaded.
@@ -277,11 +279,16 @@ def test_trainer_sharded_checkpoints_resume_on_two_and_one_rank(tmp_path):
     ckpt = str(tmp_path / "moved")
     (resumed1,), = run_ranks(run_many, 1, [("run_trainer", dict(output_dir=str(tmp_path / "resume1"), resume=ckpt, **MAIN))],
                              timeout=120)
-    (uninterrupted, resumed2), other_rank = two
+    (uninterrupted, resumed2, _), other_rank = two
     for run0, run1 in zip(two[0], other_rank):
         _assert_params_close(run0[0], run1[0], 0.0, "rank 1 vs rank 0")
     _assert_params_close(resumed2[0], uninterrupted[0], 1e-13, "sharded resume on 2 ranks")
     _assert_params_close(resumed1[0], uninterrupted[0], 1e-12, "sharded resume on 1 rank")
+    # The explicit callback and the default one act once: ZeRO facts at train begin and per rebuild.
+    assert [e["step"] for e in uninterrupted[1] if "zero_rebuilds" in e and "loss" not in e] == [0, 2, 3, 5]
+    # save_total_limit rotates whole checkpoints; the kept one holds its sharded state.
+    assert sorted(os.listdir(tmp_path / "rotate")) == ["checkpoint-5"]
+    assert checkpoint.is_sharded_checkpoint(str(tmp_path / "rotate" / "checkpoint-5" / hf_tr.SHARDED_DIR))
 
     # The checkpoint: the sharded state of both ranks, and an optimizer.pt that only refers to it.
     initial = dict(tiny_bert().named_parameters())
