@@ -170,8 +170,14 @@ def _load_hook(accelerator):
         for name, opt in _indexed(accelerator):
             release_views(opt)
             path = os.path.join(input_dir, name)
-            # Every rank must take the same branch: the directory is shared.
-            if reference.token_at(path) is not None:
+            # Every rank must take the same branch (load_sharded is a collective).
+            tokens = opt._comm.all_gather_object(reference.token_at(path))
+            if len(set(tokens)) > 1:
+                raise RuntimeError(
+                    f"hf_zero: ranks see different sharded optimizer checkpoints in {path!r} (commit tokens "
+                    f"per rank: {tokens}); all ranks must see the same directory"
+                )
+            if tokens[0] is not None:
                 # Accelerate then loads optimizer.bin: the reference to this state, a no-op.
                 opt.load_sharded(path)
                 reference.refer(opt, path)
