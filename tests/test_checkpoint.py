@@ -87,8 +87,9 @@ def _zero(model, kind, shard, view) -> ZeroBucketOptimizer:
 
 
 def _consolidated(opt) -> dict | None:
+    """A snapshot: state_dict() shares tensors with the live state (as torch's does)."""
     opt.consolidate_state_dict(to=0, device="cpu")
-    return opt.state_dict() if opt._comm.rank == 0 else None
+    return copy.deepcopy(opt.state_dict()) if opt._comm.rank == 0 else None
 
 
 def _params(model) -> dict:
