@@ -157,7 +157,8 @@ def redistribute(
         dest[(i, ts)] = state
         out.setdefault(i, []).append(Holding(ts, te, shape, state))
 
-    transfers = [t for t in transfers if (t[2], t[8]) not in reused or t[1] != me]
+    # Every rank must compute the same rounds: reused targets are skipped where they
+    # would be copied, never dropped from ``transfers``.
     for dtype_name in sorted({t[6] for t in transfers}):
         dtype = _dtype(dtype_name)
         group = [t for t in transfers if t[6] == dtype_name]
@@ -167,6 +168,8 @@ def redistribute(
             for src, dst, i, key, lo, hi, _, shape, ts in batch:
                 n = hi - lo if shape is None else _numel(shape)
                 if src == dst == me:  # stays here: no staging
+                    if (i, ts) in reused:
+                        continue
                     _put(dest[(i, ts)], key, lo - ts, _segment(held[i], key, lo, hi, shape), shape, device_of(i))
                 elif src == me:
                     send[dst].append(_segment(held[i], key, lo, hi, shape).to(comm.device))
