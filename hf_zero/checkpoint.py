@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import secrets
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .layout import plan_layout
-from .state import Holding, Holdings, split_canonical
+from .state import Holding, Holdings, dtype_from_name, split_canonical
 
 if TYPE_CHECKING:
     from .optimizer import ZeroBucketOptimizer
@@ -117,8 +118,7 @@ def _mismatch_error(what: str, problems: list[str]) -> ValueError:
 
 def param_names(opt: "ZeroBucketOptimizer") -> list[str | None]:
     """Each param's name: set by ``_set_param_names``, else from the groups' ``param_names``."""
-    extra = getattr(opt, "_names_by_id", {})
-    return [extra.get(id(p)) or n for p, n in zip(opt._params, opt._param_names)]
+    return opt._param_names
 
 
 def _hyper_problems(opt, saved_groups: list[dict]) -> list[str]:
@@ -161,8 +161,7 @@ def _targets(opt) -> list[tuple[int, int, int, tuple[int, ...]]]:
     layout = plan_layout(opt._specs(), world_size=ws, shard=opt.shard)
     out = []
     for pc in layout.pieces(rank):
-        shape = tuple(opt._params[pc.index].shape) if opt.shard == "param" else (pc.numel,)
-        out.append((pc.index, pc.start, pc.stop, shape))
+        out.append((pc.index, pc.start, pc.stop, opt._piece_shape(pc.index, pc.start, pc.stop)))
     slotted = layout.slots()
     for i, p in enumerate(opt._params):
         if i not in slotted and i % ws == rank:
@@ -272,17 +271,10 @@ def _decode(v: Any) -> Any:
         if "__dict__" in v:
             return {_decode(k): _decode(x) for k, x in v["__dict__"]}
         if "__tensor__" in v:
-            return torch.tensor(v["__tensor__"], dtype=_dtype(v["dtype"]))
+            return torch.tensor(v["__tensor__"], dtype=dtype_from_name(v["dtype"]))
         if "__dtype__" in v:
-            return _dtype(v["__dtype__"])
+            return dtype_from_name(v["__dtype__"])
     return v
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"hf_zero: unknown dtype {name!r} in checkpoint")
-    return dt
 
 
 # -- files --------------------------------------------------------------------------
@@ -500,7 +492,7 @@ class _Checkpoint:
         pieces = self.pieces.get(j)
         if not pieces:
             return None
-        numel = _numel(self.params[j]["shape"])
+        numel = math.prod(self.params[j]["shape"])
         over = [p for p in pieces if p.start < stop and p.stop > start]
         covered = sum(min(stop, p.stop) - max(start, p.start) for p in over)
         if covered != stop - start:
@@ -520,7 +512,7 @@ class _Checkpoint:
             if not shape:
                 out[key] = self._tensor(over[0], spec)
             elif shape == over[0].shape:
-                t = torch.empty(stop - start, dtype=_dtype(spec["dtype"]))
+                t = torch.empty(stop - start, dtype=dtype_from_name(spec["dtype"]))
                 for p in over:
                     lo, hi = max(start, p.start), min(stop, p.stop)
                     t[lo - start : hi - start].copy_(self._tensor(p, p.state[key], lo - p.start, hi - p.start))
@@ -536,13 +528,6 @@ class _Checkpoint:
 
     def has_state(self) -> bool:
         return bool(self.pieces)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _match(opt, ckpt: _Checkpoint) -> tuple[dict[int, int], list[str]]:
@@ -618,7 +603,7 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict:
     with _Checkpoint(path) as ckpt:
         state = {}
         for j, p in enumerate(ckpt.params):
-            st = ckpt.read(j, 0, _numel(p["shape"]), tuple(p["shape"]))
+            st = ckpt.read(j, 0, math.prod(p["shape"]), tuple(p["shape"]))
             if st is not None:
                 state[j] = st
         groups = []
@@ -647,7 +632,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> str:
             f"shard mode      {rec['shard']}",
             f"bucket view     {rec['parameters_as_bucket_view']}",
             f"params          {len(params)} ({sum(p['trainable'] for p in params)} trainable at save, "
-            f"{len(with_state)} with state), {sum(_numel(p['shape']) for p in params):,} elements",
+            f"{len(with_state)} with state), {sum(math.prod(p['shape']) for p in params):,} elements",
         ]
         for gi, g in enumerate(rec["param_groups"]):
             hyper = ", ".join(f"{k}={_decode(v)!r}" for k, v in g.items() if k not in ("params", "param_names"))

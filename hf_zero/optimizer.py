@@ -153,7 +153,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
-        self._param_names = names
+        self._param_names = [self._names_by_id.get(id(p)) or n for p, n in zip(self._params, names)]
 
     def _name(self, i: int) -> str:
         p = self._params[i]
@@ -320,12 +320,10 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         if layout == self._layout and not self._parked_trainable(trainable):
             new_held = {i: hs for i, hs in held.items() if i in trainable}
         else:
-            targets = {
-                pc.index: [] for pcs in layout.all_pieces() for pc in pcs
-            }
+            targets: dict[int, list[tuple[int, int, int]]] = {}
             for r, pcs in enumerate(layout.all_pieces()):
                 for pc in pcs:
-                    targets[pc.index].append((r, pc.start, pc.stop))
+                    targets.setdefault(pc.index, []).append((r, pc.start, pc.stop))
             new_held = redistribute(
                 self._comm,
                 held,
@@ -500,7 +498,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
     def _set_param_names(self, named_params) -> None:
         """Name params for checkpoints from ``(name, param)`` pairs, e.g. ``model.named_parameters()``."""
         self._names_by_id = {id(p): n for n, p in named_params}
-        self._param_names = [self._names_by_id.get(id(p)) or n for p, n in zip(self._params, self._param_names)]
+        self._index_params()
 
     def _adopt_loaded(self, hyperparams: list[dict], held: Holdings | None, has_state: bool = False) -> None:
         """Take loaded hyperparameters and this rank's loaded state (None: keep the current state)."""

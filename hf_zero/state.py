@@ -20,6 +20,7 @@ each element sent once, straight from its holder to its new holder.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -49,8 +50,12 @@ def _kind(value: Any, shape: tuple[int, ...]) -> tuple:
     return ("v", value)
 
 
-def _dtype(name: str) -> torch.dtype:
-    return getattr(torch, name.removeprefix("torch."))
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float32"`` or ``"torch.float32"`` -> ``torch.float32``; anything else is an error."""
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"hf_zero: unknown dtype {name!r}")
+    return dt
 
 
 def describe(held: Holdings) -> dict:
@@ -146,10 +151,10 @@ def redistribute(
             if own is not None and key in own:
                 state[key] = own[key]
             elif kind[0] == "e":
-                state[key] = torch.empty(shape, dtype=_dtype(kind[1]), device=device)
+                state[key] = torch.empty(shape, dtype=dtype_from_name(kind[1]), device=device)
             elif kind[0] == "t":
                 _, value, dt, on_cpu = kind
-                state[key] = torch.tensor(value, dtype=_dtype(dt), device="cpu" if on_cpu else device)
+                state[key] = torch.tensor(value, dtype=dtype_from_name(dt), device="cpu" if on_cpu else device)
             elif kind[0] == "v":
                 state[key] = kind[1]
             else:
@@ -160,13 +165,13 @@ def redistribute(
     # Every rank must compute the same rounds: reused targets are skipped where they
     # would be copied, never dropped from ``transfers``.
     for dtype_name in sorted({t[6] for t in transfers}):
-        dtype = _dtype(dtype_name)
+        dtype = dtype_from_name(dtype_name)
         group = [t for t in transfers if t[6] == dtype_name]
         for batch in _rounds(group, max(1, _ROUND_BYTES // dtype.itemsize)):
             send: list[list[torch.Tensor]] = [[] for _ in range(comm.world_size)]
             recv_sizes = [0] * comm.world_size
             for src, dst, i, key, lo, hi, _, shape, ts in batch:
-                n = hi - lo if shape is None else _numel(shape)
+                n = hi - lo if shape is None else math.prod(shape)
                 if src == dst == me:  # stays here: no staging
                     if (i, ts) in reused:
                         continue
@@ -183,7 +188,7 @@ def redistribute(
             for src, dst, i, key, lo, hi, _, shape, ts in batch:
                 if dst != me or src == me:
                     continue
-                n = hi - lo if shape is None else _numel(shape)
+                n = hi - lo if shape is None else math.prod(shape)
                 _put(dest[(i, ts)], key, lo - ts, chunks[src][cursor[src] : cursor[src] + n], shape, device_of(i))
                 cursor[src] += n
     return out
@@ -243,20 +248,13 @@ def _rounds(transfers: list[tuple], budget: int) -> list[list[tuple]]:
             (src, dst, i, key, a, min(a + budget, hi), dt, None, ts) for a in range(lo, hi, budget)
         ]
         for p in pieces:
-            n = 0 if src == dst else p[5] - p[4] if shape is None else _numel(shape)  # local: no staging
+            n = 0 if src == dst else p[5] - p[4] if shape is None else math.prod(shape)  # local: no staging
             if size + n > budget and rounds[-1]:
                 rounds.append([])
                 size = 0
             rounds[-1].append(p)
             size += n
     return [r for r in rounds if r]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _segment(holdings: list[Holding], key: str, lo: int, hi: int, blob_shape) -> torch.Tensor:
@@ -271,7 +269,7 @@ def _segment(holdings: list[Holding], key: str, lo: int, hi: int, blob_shape) ->
 
 def split_canonical(state: Mapping[str, Any], param_shape, start: int, stop: int, piece_shape) -> dict:
     """The piece ``start:stop`` (stepped as a tensor of ``piece_shape``) of a whole-param state."""
-    whole = start == 0 and stop == _numel(param_shape)
+    whole = start == 0 and stop == math.prod(param_shape)
     out = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
