@@ -220,25 +220,18 @@ def _rebuild(opt, named, set_grads, spec, cfg) -> dict:
     """refresh_trainable() after freezing the first half of the blocks, then after unfreezing them."""
     half = spec["n_layer"] // 2
     frozen = [p for n, p in named if any(n.startswith(f"transformer.h.{i}.") for i in range(half))]
-    freeze_s, unfreeze_s = [], []
+    seconds = {False: [], True: []}  # by the trainability set: freezing, then unfreezing
     for _ in range(cfg["rebuild_reps"]):
-        for p in frozen:
-            p.requires_grad_(False)
-        barrier()
-        t0 = time.perf_counter()
-        opt.refresh_trainable()
-        freeze_s.append(time.perf_counter() - t0)
-        set_grads()
-        opt.step()
-        for p in frozen:
-            p.requires_grad_(True)
-        barrier()
-        t0 = time.perf_counter()
-        opt.refresh_trainable()
-        unfreeze_s.append(time.perf_counter() - t0)
-        set_grads()
-        opt.step()
-    return {"freeze_s": freeze_s, "unfreeze_s": unfreeze_s}
+        for trainable in (False, True):
+            for p in frozen:
+                p.requires_grad_(trainable)
+            barrier()
+            t0 = time.perf_counter()
+            opt.refresh_trainable()
+            seconds[trainable].append(time.perf_counter() - t0)
+            set_grads()
+            opt.step()
+    return {"freeze_s": seconds[False], "unfreeze_s": seconds[True]}
 
 
 def _consolidate(opt, rank) -> dict:
