@@ -24,17 +24,18 @@ depend only on the piece, hence only on the layout: every rank, every rebuild an
 every checkpoint sees the same pieces. Param mode keeps whole params (its optimizer
 need not be elementwise).
 
-Why: on CPU torch's AdamW runs its single-tensor path and allocates temporaries as
-large as each tensor; above glibc's mmap threshold every step maps and faults in
-fresh pages. Measured (one process, AdamW over rank 0's range of the benchmarks'
+Chunking is for CPU buffers only. Why: on CPU torch's AdamW runs its single-tensor
+path and allocates temporaries as large as each tensor; above glibc's mmap
+threshold every step maps and faults in fresh pages.
+
+Measured (one process, AdamW over rank 0's range of the benchmarks'
 ``gpt2_embedding_heavy`` model at world size 2, one 16M-element slice of the
 embedding, 7 steps, median): 102 ms as one piece, 85 ms in chunks of <= 4M
-elements, 54 ms in chunks of <= 1M (rank 1, 27 pieces: 85 / 76 / 56 ms). The same
-chunks are used on GPUs: foreach and fused kernels take tensor lists and already
-process them in blocks far below 1M elements (``multi_tensor_apply``), so 1M-element
-chunks only add list entries (~125 per 1B-parameter shard of 8), not launches worth
-measuring; ``benchmarks/gpu_local_update.py`` times flat pieces against one flat
-tensor there.
+elements, 54 ms in chunks of <= 1M (rank 1, 27 pieces: 85 / 76 / 56 ms). On a GPU
+(H200, ``benchmarks/gpu_local_update.py``, docs/benchmarks.md) foreach and fused
+kernels process tensor lists in small blocks anyway, and 1M-element chunks only
+cost: Llama-3.2-1B at N=2, fused fp32, 600 chunked pieces took 6.8 ms against
+5.2 ms for its 49 whole-param pieces and 5.1 ms for one flat tensor.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class Layout:
     world_size: int
     shard: str
     buffers: tuple[BufferPlan, ...]
-    max_piece: int = _MAX_PIECE_ELEMENTS  # flat mode only; see [Note: chunked pieces]
+    max_piece: int = _MAX_PIECE_ELEMENTS  # flat mode, CPU buffers only; see [Note: chunked pieces]
 
     def pieces(self, rank: int) -> list[Piece]:
         """The pieces rank ``rank`` owns, buffer by buffer, in buffer order.
@@ -129,7 +130,7 @@ class Layout:
                 if start >= stop:
                     continue
                 step = stop - start
-                if self.shard == "flat" and step > self.max_piece:
+                if self.shard == "flat" and buf.device.startswith("cpu") and step > self.max_piece:
                     parts = -(-step // self.max_piece)
                     step = -(-step // parts)
                     step = min(-(-step // align) * align, self.max_piece)

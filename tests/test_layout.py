@@ -75,9 +75,14 @@ def check_mode(specs, layout) -> None:
 
 
 def check_chunks(layout, pieces) -> None:
-    """Flat pieces are at most ``max_piece`` long; a param's range on a rank is split into
-    consecutive chunks of one length (but the last), aligned where the range starts aligned."""
-    assert all(pc.numel <= layout.max_piece for pc in pieces), "a flat piece is longer than max_piece"
+    """Flat pieces of CPU buffers are at most ``max_piece`` long; a param's range on a rank is
+    split into consecutive chunks of one length (but the last), aligned where the range starts
+    aligned. Pieces of other devices' buffers are never chunked."""
+    on_cpu = [pc for pc in pieces if layout.buffers[pc.buffer].device == "cpu"]
+    assert all(pc.numel <= layout.max_piece for pc in on_cpu), "a flat piece is longer than max_piece"
+    others = [(pc.buffer, pc.index) for pc in pieces if layout.buffers[pc.buffer].device != "cpu"]
+    assert len(others) == len(set(others)), "a piece of a non-CPU buffer was chunked"
+    pieces = on_cpu
     runs: dict[int, list] = {}
     for pc in pieces:
         runs.setdefault(pc.index, []).append(pc)
