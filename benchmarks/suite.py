@@ -161,7 +161,7 @@ def _local_limits(opt, set_grads, cfg) -> dict:
     collective, DESIGN §3), on hf_zero's own buffers and on fresh ones of the same
     size. All are timed in turn, in a shuffled order, round after round.
     """
-    n = sum(pc.numel for _, _, pc in opt._pieces)
+    n = sum(lp.piece.numel for lp in opt._pieces)
     flat = torch.nn.Parameter(torch.zeros(n))
     flat.grad = torch.randn(n) * 1e-3
     ref = torch.optim.AdamW([flat], lr=LR)
@@ -178,12 +178,12 @@ def _local_limits(opt, set_grads, cfg) -> dict:
 
     def local():
         set_grads()
-        opt._local_step()
+        opt._local_step({})
 
     calls = {"local_s": local, "flat_local_s": ref.step, "sync_s": opt._sync, "raw_sync_s": raw_sync,
              "raw_sync_fresh_s": raw_sync_fresh,
              # the per-step checks: requires_grad mask, view integrity and the 24-byte agreement all-reduce
-             "checks_s": opt._prepare}
+             "checks_s": opt.ensure_partition}
     out = {k: [] for k in calls}
     names = list(calls)
     for i in range(cfg["steps"] + 1):

@@ -26,4 +26,12 @@ if _importable("transformers"):
 
     __all__.append("ZeroBucketCallback")
 
+# An Accelerator that prepares a ZeroBucketOptimizer is wired for it with no call.
+if _importable("accelerate"):
+    from accelerate import Accelerator as _Accelerator
+
+    from .integrations.accelerate import install as _install
+
+    _install(_Accelerator)
+
 __version__ = "0.1.0"

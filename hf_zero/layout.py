@@ -48,6 +48,28 @@ import torch
 
 SHARD_MODES = ("flat", "param")
 
+_ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+# Third-party elementwise optimizers, matched by class name (no import needed).
+_ELEMENTWISE_NAMES = frozenset({"Lion"})
+
+
+def is_elementwise(optimizer_class: type) -> bool:
+    """True when updating slices of a param separately equals updating the whole param
+    (the condition for ``shard="flat"``)."""
+    return issubclass(optimizer_class, _ELEMENTWISE) or optimizer_class.__name__ in _ELEMENTWISE_NAMES
+
 # Each rank's range in flat mode starts on a multiple of this many bytes.
 _ALIGN_BYTES = 64
 

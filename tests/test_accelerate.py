@@ -235,10 +235,10 @@ def test_prepare_accelerator_needs_a_prepared_zero_optimizer():
     with pytest.raises(ValueError, match=r"no ZeroBucketOptimizer .* call it after accelerator.prepare"):
         hf_zero.prepare_accelerator(accelerator)
 
+    # Refused when prepared, before any training: hf_zero wires every Accelerator by itself.
     accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(save_on_each_node=True))
-    accelerator.prepare(model, hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW))
     with pytest.raises(ValueError, match="save_on_each_node=True"):
-        hf_zero.prepare_accelerator(accelerator)
+        accelerator.prepare(model, hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW))
 
 
 def _sharded_save_state_run(rank, world_size, root):
@@ -249,7 +249,7 @@ def _sharded_save_state_run(rank, world_size, root):
 @pytest.mark.reliability("Accelerate save_state/load_state with prepare_accelerator(sharded_checkpoints=True), 2 ranks", "each rank writes its own state; optimizer.bin is a tiny reference; load_state then the same steps is exact")
 @pytest.mark.timeout(150)
 def test_sharded_save_state_load_state_round_trip_is_exact(tmp_path):
-    from hf_zero import checkpoint, reference
+    from hf_zero import _offline, _sharded
 
     r0, r1 = run_ranks(_sharded_save_state_run, 2, str(tmp_path), timeout=130)
     reference_params = _reference()
@@ -260,9 +260,9 @@ def test_sharded_save_state_load_state_round_trip_is_exact(tmp_path):
         assert torch.equal(r0["replayed"][n], r0["final"][n]), f"replay after load_state: {n}"
     saved = tmp_path / "sharded"
     shards = str(saved / "hf_zero_optimizer")
-    assert checkpoint.is_sharded_checkpoint(shards)
+    assert _sharded.is_sharded_checkpoint(shards)
     assert sum(name.endswith("-of-00002.safetensors") for name in os.listdir(shards)) == 2
     marker = torch.load(str(saved / "optimizer.bin"), weights_only=True)
-    assert marker["state"] == {} and marker[reference.KEY]["token"] == reference.token_at(shards)
+    assert marker["state"] == {} and marker[_sharded.REFERENCE_KEY]["token"] == _sharded.token_at(shards)
     assert os.path.getsize(saved / "optimizer.bin") < 2000
-    assert len(checkpoint.consolidate_checkpoint(shards)["state"]) == len(reference_params)
+    assert len(_offline.consolidate_checkpoint(shards)["state"]) == len(reference_params)

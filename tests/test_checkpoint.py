@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from hf_zero import ZeroBucketOptimizer
-from hf_zero import checkpoint as ckpt
+from hf_zero import _offline, _sharded as ckpt
 from tests._dist import run_ranks
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -337,10 +337,9 @@ def test_unnamed_params_match_by_position_and_shape(tmp_path):
         bad.load_sharded(tmp_path / "ck")
 
 
-def test_set_param_names_keys_checkpoints_by_model_names(tmp_path):
+def test_named_params_key_checkpoints_by_model_names(tmp_path):
     model = Net()
-    opt = ZeroBucketOptimizer(list(model.parameters()), torch.optim.AdamW, lr=1e-2)
-    opt._set_param_names(model.named_parameters())
+    opt = ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-2)
     _train(model, opt, range(2))
     opt.save_sharded(tmp_path / "ck")
     record = json.loads((tmp_path / "ck" / ckpt.COMMIT_FILE).read_text())
@@ -369,13 +368,13 @@ def test_loaded_step_stays_where_fused_adamw_needs_it_and_cpu_dicts_load():
 def test_consolidated_state_dict_saves_and_loads_weights_only(tmp_path):
     model, opt = _trained("adafactor", shard="param")
     path = tmp_path / "opt.pt"
-    ckpt.save_state_dict(opt.state_dict(), path)
+    _offline.save_state_dict(opt.state_dict(), path)
     assert_state_equal(torch.load(path, weights_only=True), opt.state_dict())
 
 
 def test_inspect_and_offline_consolidate_of_a_missing_checkpoint_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="no sharded optimizer checkpoint"):
-        ckpt.consolidate_checkpoint(tmp_path)
+        _offline.consolidate_checkpoint(tmp_path)
     model, opt = _trained()
     opt.save_sharded(tmp_path)
     record = json.loads((tmp_path / ckpt.COMMIT_FILE).read_text())
@@ -391,7 +390,7 @@ _KILLER = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {root!r})
     import safetensors.torch
-    from hf_zero import checkpoint
+    from hf_zero import _sharded as checkpoint
     from tests.test_checkpoint import Net, _train, _zero
 
     where = sys.argv[1]

@@ -20,7 +20,7 @@ from tests.test_checkpoint import (
 
 
 def _save_on_two_ranks(rank, world_size, directory):
-    from hf_zero import checkpoint
+    from hf_zero import _sharded as checkpoint
 
     model = Net()
     opt = _zero(model, "adamw", "flat", True)
