@@ -49,6 +49,13 @@ class Comm:
         ]
 
     @property
+    def process_group(self):
+        """The group hf_zero shards over (``dist.group.WORLD`` for the default; None without torch.distributed)."""
+        if not self.enabled:
+            return None
+        return self.group if self.group is not None else dist.group.WORLD
+
+    @property
     def device(self) -> torch.device:
         """Where small control tensors live for this backend."""
         if self.backend == "nccl":

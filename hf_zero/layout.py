@@ -225,7 +225,7 @@ def _param_buffer(device, dtype, indices, specs, owner, world_size) -> BufferPla
 def _param_owners(specs: Sequence[ParamSpec], world_size: int) -> dict[int, int]:
     """Whole-param owners: the better of LPT over trainable params and torch's greedy."""
     trainable = [i for i, s in enumerate(specs) if s.trainable and s.numel > 0]
-    candidates = [_lpt(trainable, specs, world_size), _torch_greedy(specs, world_size)]
+    candidates = [_lpt(trainable, specs, world_size), torch_zero_owners(specs, world_size)]
 
     def worst(owner):
         loads = [0] * world_size
@@ -246,7 +246,7 @@ def _lpt(indices, specs, world_size) -> dict[int, int]:
     return owner
 
 
-def _torch_greedy(specs, world_size) -> dict[int, int]:
+def torch_zero_owners(specs, world_size) -> dict[int, int]:
     """torch's ZeroRedundancyOptimizer partition: per group, largest first, frozen params counted."""
     sizes = [0] * world_size
     owner = {}
@@ -263,7 +263,7 @@ def _torch_greedy(specs, world_size) -> dict[int, int]:
 
 def torch_zero_loads(specs: Sequence[ParamSpec], *, world_size: int) -> list[int]:
     """Trainable elements per rank under torch's ZeroRedundancyOptimizer partition."""
-    owner = _torch_greedy(specs, world_size)
+    owner = torch_zero_owners(specs, world_size)
     loads = [0] * world_size
     for i, s in enumerate(specs):
         if s.trainable:

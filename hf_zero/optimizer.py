@@ -150,7 +150,6 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self.shard = shard
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
         self._comm = Comm(process_group)
-        self._process_group = process_group
         self._layout: Layout | None = None
         self._mask: tuple[bool, ...] | None = None
         self._fingerprint: int | None = None
@@ -381,7 +380,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     @property
     def join_process_group(self) -> Any:
-        return self._process_group
+        return self._comm.process_group
 
     # -- rebuild -------------------------------------------------------------------
     def _holdings(self) -> Holdings:

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .layout import ParamSpec, _torch_greedy, max_over_mean, plan_layout, torch_zero_loads
+from .layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
 
 SCHEMA = "hf_zero.plan/1"
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
@@ -244,7 +244,7 @@ def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend
 
 def _torch_plan(params, specs, world_size, optimizer, itemsize) -> dict:
     elements = torch_zero_loads(specs, world_size=world_size)
-    owner = _torch_greedy(specs, world_size)
+    owner = torch_zero_owners(specs, world_size)
     state = [0] * world_size
     for i, p in enumerate(params):
         if p.trainable:

@@ -200,3 +200,22 @@ def run_trainer_catching(rank, world_size, **kwargs):
 def run_many(rank, world_size, runs):
     """Several runs in one spawn: ``runs`` is a list of (function name, kwargs)."""
     return [globals()[fn](rank, world_size, **kw) for fn, kw in runs]
+
+
+def run_counting_agreements(rank, world_size, **kwargs):
+    """run_trainer, counting the optimizer's cross-rank agreement all-reduces."""
+    from hf_zero.comm import Comm
+
+    calls = []
+    agree = Comm.agree
+
+    def counting(self, *args, **kw):
+        calls.append(1)
+        return agree(self, *args, **kw)
+
+    Comm.agree = counting
+    try:
+        _, log, _ = run_trainer(rank, world_size, **kwargs)
+    finally:
+        Comm.agree = agree
+    return len(calls), max(e["step"] for e in log)

@@ -1,5 +1,9 @@
 """Accelerate integration: prepare() with ZeroBucketOptimizer, accumulate/clip/backward,
 save_state/load_state with bucket views, and fp16 GradScaler overflow on every rank.
+
+The loops make no hf_zero call besides building the optimizer (the accelerator is wired
+when it prepares it, in either order with the model); the sharded-checkpoint test uses
+the explicit ``prepare_accelerator(..., sharded_checkpoints=True)``.
 """
 
 import os
@@ -63,7 +67,9 @@ def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir, sharded
         model = accelerator.prepare(model)
         optimizer = hf_zero.ZeroBucketOptimizer(_groups(model.module), torch.optim.AdamW, lr=LR)
         optimizer, loader = accelerator.prepare(optimizer, loader)
-    hf_zero.prepare_accelerator(accelerator, sharded_checkpoints=sharded_checkpoints)
+    if sharded_checkpoints:
+        hf_zero.prepare_accelerator(accelerator, sharded_checkpoints=True)
+    # Otherwise no hf_zero call at all: preparing a ZeroBucketOptimizer wires the accelerator.
     batches = list(loader)
 
     def train(first_step, last_step):
@@ -133,7 +139,6 @@ def _fp16_overflow_run(rank, world_size, *, overflow_step):
     optimizer = hf_zero.ZeroBucketOptimizer(_groups(model), torch.optim.AdamW, lr=LR)
     loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=4, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    hf_zero.prepare_accelerator(accelerator)
     target = model.module.bert.encoder.layer[1].output.dense.weight
     log = []
     for step, batch in enumerate(loader):
@@ -193,7 +198,6 @@ def _freeze_without_find_unused(rank, world_size):
     model = tiny_bert()
     optimizer = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
-    hf_zero.prepare_accelerator(accelerator)
     batch = next(iter(torch.utils.data.DataLoader(TokenDataset(), batch_size=PER_DEVICE)))
     accelerator.backward(model(**batch).loss)
     optimizer.step()

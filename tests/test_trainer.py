@@ -18,7 +18,7 @@ from transformers.training_args import OptimizerNames
 import hf_zero
 from hf_zero.integrations import transformers as hf_tr
 from tests._dist import run_ranks
-from tests.hf_trainer_cases import run_many, tiny_bert
+from tests.hf_trainer_cases import run_counting_agreements, run_many, run_trainer_catching, tiny_bert
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -271,8 +271,9 @@ def test_trainer_sharded_checkpoints_resume_on_two_and_one_rank(tmp_path):
     two = run_ranks(run_many, 2, [
         ("run_trainer", dict(output_dir=main, **sharded)),
         ("run_trainer", dict(output_dir=str(tmp_path / "resume2"), resume=ckpt, **sharded)),
-        ("run_trainer", dict(output_dir=str(tmp_path / "rotate"), sharded_checkpoints=True, save_strategy="steps",
-                             save_steps=2, max_steps=5, save_total_limit=1)),
+        # --optim_args sharded_checkpoints=true: the same as the explicit callback
+        ("run_trainer", dict(output_dir=str(tmp_path / "rotate"), optim_args="sharded_checkpoints=true",
+                             save_strategy="steps", save_steps=2, max_steps=5, save_total_limit=1)),
     ], timeout=220)
     # Moved (the path recorded at save time is gone), resumed by one process with the
     # default (consolidating) callback: found through Trainer's resume path and loaded.
@@ -355,3 +356,24 @@ def test_sharded_reference_is_never_silently_ignored(tmp_path):
     step(model3, opt3)
     for p2, p3 in zip(model2.parameters(), model3.parameters()):
         assert torch.equal(p2, p3)
+
+
+@pytest.mark.reliability("Two Trainers that each run alone (parallel_mode NOT_PARALLEL) under a torch.distributed world of 2", "`ValueError` at optimizer creation on both, naming the mismatch and ACCELERATE_USE_CPU=1; no cross-trainer sharding")
+@pytest.mark.timeout(120)
+def test_independent_trainers_under_a_distributed_world_are_refused(tmp_path):
+    # use_cpu=False on a machine without accelerators: transformers sees one process, as with
+    # plain `torchrun` on CPU without ACCELERATE_USE_CPU=1.
+    errors = run_ranks(run_trainer_catching, 2, output_dir=str(tmp_path / "alone"), use_cpu=False, timeout=100)
+    for error in errors:
+        assert error.startswith("ValueError: optim='zero_bucket': the Trainer runs this process alone"), error
+        assert "torch.distributed has 2 processes" in error and "ACCELERATE_USE_CPU=1" in error
+
+
+@pytest.mark.timeout(120)
+def test_one_agreement_all_reduce_per_trainer_step(tmp_path):
+    """The trainability/view check is one small all-reduce per optimizer step (plus one when
+    training begins), also with a trainability change in the run."""
+    for calls, steps in run_ranks(run_counting_agreements, 2, output_dir=str(tmp_path / "count"), timeout=100,
+                                  schedule={3: {"bert.embeddings.": False}, 5: {"bert.embeddings.": True}}):
+        assert steps == 7
+        assert calls == steps + 1

@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from . import _compat
+
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
 
 
@@ -83,7 +85,7 @@ def attach_grad_averaging(model: torch.nn.Module, optimizer, *, syncing: Callabl
                     queued[0] = False
                     average()
 
-                torch.autograd.Variable._execution_engine.queue_callback(run)
+                _compat.queue_end_of_backward(run)
             return None
 
         for t in _tensors(output):
