@@ -52,7 +52,7 @@ import torch
 
 from ._codec import decode, encode
 from .comm import Comm
-from .state import Holdings, dtype_from_name
+from .state import Holdings, dtype_from_name, unsplittable
 
 COMMIT_FILE = "hf_zero_optimizer.json"
 REFERENCE_KEY = "hf_zero_sharded"
@@ -306,10 +306,7 @@ class Checkpoint:
                 out[key] = t.view(piece_shape)
             else:
                 if not (start == 0 and stop == numel and over[0].start == 0 and over[0].stop == numel):
-                    raise ValueError(
-                        f"hf_zero: state {key!r} of param {self.label(j)} has shape {shape}, not the param's: "
-                        "it cannot be split across ranks (load with shard='param')"
-                    )
+                    raise unsplittable(key, self.label(j), shape)
                 out[key] = self._tensor(over[0], spec)
         return out
 

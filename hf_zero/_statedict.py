@@ -21,10 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ._codec import class_name
 from .layout import is_elementwise
+from .state import Kind, kind_of
 
 # Hyperparameters LR schedulers add to param groups: not a sign of another optimizer class.
 _SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "base_lr"})
@@ -134,7 +133,7 @@ def check_state_dict(opt, state_dict: Any) -> dict[int, dict]:
     for i, value in sorted(by_index.items()):
         shape = tuple(opt.params[i].shape)
         for k, v in value.items():
-            if strict and isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) != shape:
+            if strict and kind_of(v, shape) is Kind.BLOB:
                 problems.append(
                     f"state {k!r} of param {opt.param_label(i)} has shape {tuple(v.shape)}, not the param's {shape}"
                     + (" (shard='flat' cannot split it: use shard='param')" if opt.shard == "flat" else "")

@@ -15,7 +15,7 @@ from ._codec import class_name, decode, encode
 from ._statedict import ShardedState, check_state_dict, group_problems, hyperparams, match_checkpoint, mismatch_error
 from .comm import Comm, fingerprint
 from .layout import Layout, ParamSpec, Piece, is_elementwise, plan_layout
-from .state import Holding, Holdings, redistribute, shape_as, split_canonical
+from .state import Holding, Holdings, Kind, kind_of, redistribute, shape_as, split_canonical
 
 _NOT_HYPER = ("params", "param_names")
 
@@ -475,7 +475,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             for h in held.get(lp.piece.index, ()):
                 if h.start == lp.piece.start and h.stop == lp.piece.stop:
                     self._inner.state[lp.tensor] = {
-                        k: v.to(lp.tensor.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                        k: v.to(lp.tensor.device) if kind_of(v, lp.tensor.shape) in (Kind.ELEMENTWISE, Kind.BLOB) else v
                         for k, v in shape_as(h, lp.tensor.shape).items()
                     }
 
@@ -614,7 +614,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         def read(i, start, stop, piece_shape):
             if i not in by_index:
                 return None
-            return split_canonical(by_index[i], self._params[i].shape, start, stop, piece_shape)
+            return split_canonical(by_index[i], self._params[i].shape, start, stop, piece_shape, self.param_label(i))
 
         self._adopt_loaded(hyperparams(state_dict["param_groups"]), self._place(read), has_state=bool(by_index))
 

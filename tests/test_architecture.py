@@ -29,6 +29,8 @@ LAYERS = [
     "cli",
     "",  # hf_zero/__init__.py
 ]
+# namedtuple's public methods start with an underscore.
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}
 # Where reaching into torch / transformers / accelerate internals is allowed: the shims.
 SHIMS = {"integrations._compat"}
 
@@ -116,6 +118,7 @@ def test_no_private_attribute_of_another_object(name):
         if isinstance(node, ast.Attribute)
         and re.match(r"^_[a-zA-Z]", node.attr)
         and not node.attr.startswith("__")
+        and node.attr not in NAMEDTUPLE_API
         and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
     ]
     assert bad == [], f"hf_zero.{name}: private attributes of other objects: {bad}"
