@@ -158,7 +158,7 @@ def _local_limits(opt, set_grads, cfg) -> dict:
 
     Local update: the same AdamW on one flat tensor of this rank's element count.
     Sync: one broadcast per rank of each buffer's ranges (gloo's fastest raw
-    collective, DESIGN §3), on hf_zero's own buffers and on fresh ones of the same
+    collective, docs/architecture.md), on hf_zero's own buffers and on fresh ones of the same
     size. All are timed in turn, in a shuffled order, round after round.
     """
     n = sum(lp.piece.numel for lp in opt._pieces)
@@ -210,7 +210,7 @@ def _flat_full(n: int, cfg) -> list[float]:
 
 
 def _raw_broadcasts(buf, bounds) -> None:
-    """One broadcast per rank of its range: the fastest raw collective on gloo (DESIGN §3)."""
+    """One broadcast per rank of its range: the fastest raw collective on gloo (docs/architecture.md, field facts)."""
     works = [dist.broadcast(buf[a:b], src=r, async_op=True) for r, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
     for w in works:
         w.wait()
@@ -252,7 +252,7 @@ def _consolidate(opt, rank) -> dict:
 
 
 def _sync_limits(cfg) -> dict:
-    """Raw collectives on one buffer of the step benchmark's size, for reference (DESIGN §3 table)."""
+    """Raw collectives on one buffer of the step benchmark's size, for reference (docs/architecture.md, field facts)."""
     n = cfg["raw_buffer_elements"]
     ws = dist.get_world_size()
     buf = torch.zeros(n - n % ws)

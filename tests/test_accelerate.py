@@ -50,7 +50,7 @@ def _accelerator(**kwargs):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
-    # Freezing a param DDP reduces needs find_unused_parameters=True (DESIGN §4).
+    # Freezing a param DDP reduces needs find_unused_parameters=True (docs/architecture.md, field facts).
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)]
     return Accelerator(cpu=True, kwargs_handlers=handlers, **kwargs)
 
