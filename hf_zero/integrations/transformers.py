@@ -14,10 +14,8 @@ from typing import Any
 import torch
 import transformers
 import transformers.trainer
-import transformers.trainer_optimizer
-from transformers import PreTrainedModel, TrainerCallback
+from transformers import TrainerCallback
 from transformers.optimization import Adafactor
-from transformers.training_args import OptimizerNames
 
 from ..optimizer import ZeroBucketOptimizer
 from . import _compat
@@ -181,30 +179,10 @@ def _check_parallel(args) -> None:
         )
 
 
-def _extend_optimizer_names() -> None:
-    """Add ``ZERO_BUCKET = "zero_bucket"`` to ``OptimizerNames`` in place.
-
-    A real member (not a string alias): ``OptimizerNames("zero_bucket")`` validates,
-    ``HfArgumentParser`` lists it among ``--optim`` choices (when built after this
-    import), and args survive ``to_dict``/JSON/pickle in any process that imported
-    hf_zero.
-    """
-    if OPTIM_NAME in OptimizerNames._value2member_map_:
-        return
-    member = str.__new__(OptimizerNames, OPTIM_NAME)
-    member._name_ = "ZERO_BUCKET"
-    member._value_ = OPTIM_NAME
-    member.__objclass__ = OptimizerNames
-    type.__setattr__(OptimizerNames, "ZERO_BUCKET", member)
-    OptimizerNames._member_map_["ZERO_BUCKET"] = member
-    OptimizerNames._value2member_map_[OPTIM_NAME] = member
-    OptimizerNames._member_names_.append("ZERO_BUCKET")
-
-
 def register() -> None:
     """Register ``optim="zero_bucket"`` and the default callback. Idempotent."""
-    _extend_optimizer_names()
-    transformers.trainer_optimizer._OPTIMIZER_HANDLERS[OptimizerNames(OPTIM_NAME)] = _handler
+    _compat.add_optimizer_name(OPTIM_NAME, member_name="ZERO_BUCKET")
+    _compat.register_optimizer(OPTIM_NAME, _handler)
     _compat.watch_trainer(transformers.Trainer)
     if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
         transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
@@ -305,7 +283,7 @@ class ZeroBucketCallback(TrainerCallback):
         from accelerate.state import GradientState
 
         attach_grad_averaging(model, opt, syncing=lambda: GradientState().sync_gradients)
-        guard_frozen_under_ddp(model, opt, find_unused_parameters=_ddp_find_unused(args, model), hint=_DDP_HINT)
+        guard_frozen_under_ddp(model, opt, find_unused_parameters=_compat.ddp_find_unused_parameters(args, model), hint=_DDP_HINT)
         # Trainer loaded optimizer.pt before this event; a sharded reference is loaded
         # here, before any step (collective).
         candidates = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
@@ -350,21 +328,9 @@ class ZeroBucketCallback(TrainerCallback):
 
 _DDP_HINT = (
     "Set TrainingArguments(ddp_find_unused_parameters=True) (with gradient checkpointing keep "
-    "gradient_checkpointing_kwargs={'use_reentrant': False}, transformers' default), or freeze the "
-    "param before the Trainer starts."
+    "gradient_checkpointing_kwargs={'use_reentrant': False}, transformers' default since 5.0), or freeze "
+    "the param before the Trainer starts."
 )
-
-
-def _ddp_find_unused(args, model) -> bool:
-    """The ``find_unused_parameters`` Trainer gave DDP (``transformers/trainer.py:749-756``)."""
-    if args.ddp_find_unused_parameters is not None:
-        return bool(args.ddp_find_unused_parameters)
-    if isinstance(model, PreTrainedModel):
-        return not (
-            getattr(model, "is_activation_checkpointing", False)
-            or getattr(args, "activation_checkpointing", False)
-        )
-    return True
 
 
 register()
