@@ -1,7 +1,8 @@
 """Transformers Trainer integration: ``optim="zero_bucket"`` and :class:`ZeroBucketCallback`.
 
-Importing this module (``import hf_zero`` does) registers the optimizer name and
-adds the callback to ``transformers.trainer.DEFAULT_CALLBACKS``. Both are idempotent.
+Importing this module registers the optimizer name and adds the callback to
+``transformers.trainer.DEFAULT_CALLBACKS`` (idempotent). ``_hf_zero_autoload`` does it
+as soon as ``transformers.trainer`` is imported, in any process with hf_zero installed.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from transformers.training_args import OptimizerNames
 from .. import reference
 from ..optimizer import ZeroBucketOptimizer
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
+from ._optim_name import OPTIM_NAME
+from ._optim_name import register as register_optim_name
 
 logger = logging.getLogger(__name__)
 
-OPTIM_NAME = "zero_bucket"
 SHARDED_DIR = "hf_zero_optimizer"  # inside a Trainer checkpoint, with sharded_checkpoints=True
 
 # inner name -> (optimizer class, fixed kwargs, uses Adam's betas/eps, extra optim_args keys)
@@ -148,29 +150,9 @@ def _handler(ctx) -> tuple[Any, dict[str, Any]]:
     return ZeroBucketFactory, kwargs
 
 
-def _extend_optimizer_names() -> None:
-    """Add ``ZERO_BUCKET = "zero_bucket"`` to ``OptimizerNames`` in place.
-
-    A real member (not a string alias): ``OptimizerNames("zero_bucket")`` validates,
-    ``HfArgumentParser`` lists it among ``--optim`` choices (when built after this
-    import), and args survive ``to_dict``/JSON/pickle in any process that imported
-    hf_zero.
-    """
-    if OPTIM_NAME in OptimizerNames._value2member_map_:
-        return
-    member = str.__new__(OptimizerNames, OPTIM_NAME)
-    member._name_ = "ZERO_BUCKET"
-    member._value_ = OPTIM_NAME
-    member.__objclass__ = OptimizerNames
-    type.__setattr__(OptimizerNames, "ZERO_BUCKET", member)
-    OptimizerNames._member_map_["ZERO_BUCKET"] = member
-    OptimizerNames._value2member_map_[OPTIM_NAME] = member
-    OptimizerNames._member_names_.append("ZERO_BUCKET")
-
-
 def register() -> None:
     """Register ``optim="zero_bucket"`` and the default callback. Idempotent."""
-    _extend_optimizer_names()
+    register_optim_name()
     transformers.trainer_optimizer._OPTIMIZER_HANDLERS[OptimizerNames(OPTIM_NAME)] = _handler
     if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
         transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
@@ -196,8 +178,9 @@ _SHARDED_SAVES: "weakref.WeakKeyDictionary[ZeroBucketOptimizer, bool]" = weakref
 class ZeroBucketCallback(TrainerCallback):
     """Keeps a Trainer's ZeroBucketOptimizer right across trainability changes and saves.
 
-    Added to every Trainer by ``import hf_zero``; does nothing unless the Trainer's
-    optimizer is a :class:`~hf_zero.ZeroBucketOptimizer`. On every rank, in lockstep:
+    Added to every Trainer by :func:`register` (automatic with hf_zero installed); does
+    nothing unless the Trainer's optimizer is a :class:`~hf_zero.ZeroBucketOptimizer`.
+    On every rank, in lockstep:
 
     - at train begin (DDP has just been built) it records which params DDP reduces,
       arranges for the others' grads to be averaged at the end of each backward
