@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,7 +26,6 @@ import torch
 from safetensors.torch import load_file
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
-BIN = Path(sys.executable).parent
 WORLD = 2
 # torch 2.13 on gloo: a 2-process Trainer run that finished its work aborts at interpreter
 # exit in some runs (with any optimizer) unless the script destroys the process group; an
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "HF_ZERO_AUTOLOAD" and not k.startswith("PYTEST_")}
+    env = {k: v for k, v in os.environ.items() if k != "HF_ZERO_AUTOLOAD"}
     env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     env.update(extra)
@@ -90,8 +90,8 @@ def _cli(args: dict) -> list[str]:
 
 
 def _torchrun(script_args: list[str]) -> list[str]:
-    return [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={WORLD}", str(SCRIPTS / "train_any.py"),
-            *script_args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+            str(SCRIPTS / "train_any.py"), *script_args]
 
 
 def _train_any_finished(rc: int, out: str, output_dir: Path) -> None:
@@ -211,6 +211,13 @@ def tiny_lm(tmp_path_factory) -> Path:
     return root
 
 
+def _console_script(name: str) -> str:
+    """The console script ``name`` of this Python's environment (as a user runs it)."""
+    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    assert found, f"no {name!r} command next to {sys.executable} or on PATH"
+    return found
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -230,7 +237,7 @@ def test_trl_sft_cli_zero_bucket_equals_adamw_torch(tiny_lm, tmp_path):
     final weights carry the bitwise comparison."""
     runs = {}
     for optim in ("zero_bucket", "adamw_torch"):
-        cmd = [str(BIN / "trl"), "sft", "--model_name_or_path", str(tiny_lm / "model"), "--dataset_name",
+        cmd = [_console_script("trl"), "sft", "--model_name_or_path", str(tiny_lm / "model"), "--dataset_name",
                str(tiny_lm / "data"), "--output_dir", str(tmp_path / optim), "--optim", optim, "--max_steps", "4",
                "--per_device_train_batch_size", "2", "--logging_steps", "1", "--save_strategy", "no",
                "--report_to", "none", "--learning_rate", "1e-2", "--max_length", "16", "--seed", "0",
@@ -250,6 +257,23 @@ def test_trl_sft_cli_zero_bucket_equals_adamw_torch(tiny_lm, tmp_path):
 
 
 # -- the start-up hook and its packaging -----------------------------------------------------
+def test_install_again_is_idempotent():
+    import _hf_zero_autoload
+    import transformers.trainer
+    from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS
+    from transformers.training_args import OptimizerNames
+
+    import hf_zero
+
+    before = ([m.value for m in OptimizerNames], dict(_OPTIMIZER_HANDLERS), list(transformers.trainer.DEFAULT_CALLBACKS))
+    _hf_zero_autoload.install()
+    _hf_zero_autoload.install()
+    assert ([m.value for m in OptimizerNames], dict(_OPTIMIZER_HANDLERS),
+            list(transformers.trainer.DEFAULT_CALLBACKS)) == before
+    assert before[0].count("zero_bucket") == 1 and before[2].count(hf_zero.ZeroBucketCallback) == 1
+    assert sum(type(f).__module__ == "_hf_zero_autoload" for f in sys.meta_path) <= 1
+
+
 _STARTUP = """
 import sys
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("hf_zero", "_hf_zero_autoload", "torch", "transformers")))
@@ -279,7 +303,6 @@ def test_regular_and_editable_wheels_carry_the_pth_file(tmp_path):
     """Built from a copy of the sources, as pip builds them (PEP 517 / PEP 660 hooks)."""
     import base64
     import hashlib
-    import shutil
 
     root = Path(__file__).resolve().parent.parent
     src = tmp_path / "src"
