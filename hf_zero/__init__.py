@@ -1,15 +1,31 @@
 """hf_zero: ZeRO stage-1 optimizer-state sharding with parameters as bucket views.
 
-The core (this package minus ``integrations``) imports without transformers or
-accelerate.
+``import hf_zero`` is cheap: it imports neither torch, transformers nor accelerate. Each
+public name loads its module on first use. The core (this package minus
+``integrations``) imports without transformers or accelerate.
+
+With hf_zero installed, ``optim="zero_bucket"`` works in any process without importing
+hf_zero (see ``_hf_zero_autoload``); importing it also registers, even with
+``HF_ZERO_AUTOLOAD=0``.
 """
 
+from __future__ import annotations
+
+import importlib
 import importlib.util
 
-from .optimizer import ZeroBucketOptimizer
-from .integrations.accelerate import prepare_accelerator
+import _hf_zero_autoload
 
-__all__ = ["ZeroBucketOptimizer", "prepare_accelerator"]
+TYPE_CHECKING = False  # as typing.TYPE_CHECKING (type checkers read the name), without importing typing
+
+__version__ = "0.1.0"
+
+# public name -> the module that defines it
+_HOMES = {
+    "ZeroBucketOptimizer": ".optimizer",
+    "prepare_accelerator": ".integrations.accelerate",
+    "ZeroBucketCallback": ".integrations.transformers",
+}
 
 
 def _importable(name: str) -> bool:
@@ -19,19 +35,27 @@ def _importable(name: str) -> bool:
         return False
 
 
-# Without transformers the core works alone; with it, importing registers
-# optim="zero_bucket" and the Trainer callback (errors there are real and raise).
-if _importable("transformers"):
-    from .integrations.transformers import ZeroBucketCallback
-
+__all__ = ["ZeroBucketOptimizer", "prepare_accelerator"]
+if _importable("transformers"):  # checked without importing it
     __all__.append("ZeroBucketCallback")
 
-# An Accelerator that prepares a ZeroBucketOptimizer is wired for it with no call.
-if _importable("accelerate"):
-    from accelerate import Accelerator as _Accelerator
+if TYPE_CHECKING:
+    from .integrations.accelerate import prepare_accelerator
+    from .integrations.transformers import ZeroBucketCallback
+    from .optimizer import ZeroBucketOptimizer
 
-    from .integrations.accelerate import install as _install
 
-    _install(_Accelerator)
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(home, __name__), name)
+    globals()[name] = value
+    return value
 
-__version__ = "0.1.0"
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
+
+
+_hf_zero_autoload.install()

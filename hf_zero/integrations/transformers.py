@@ -1,7 +1,8 @@
 """Transformers Trainer integration: ``optim="zero_bucket"`` and :class:`ZeroBucketCallback`.
 
-Importing this module (``import hf_zero`` does) registers the optimizer name and
-adds the callback to ``transformers.trainer.DEFAULT_CALLBACKS``. Both are idempotent.
+Importing this module registers the optimizer name and adds the callback to
+``transformers.trainer.DEFAULT_CALLBACKS`` (idempotent). ``_hf_zero_autoload`` does it
+as soon as ``transformers.trainer`` is imported, in any process with hf_zero installed.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from transformers.optimization import Adafactor
 from ..optimizer import ZeroBucketOptimizer
 from . import _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
+from ._optim_name import OPTIM_NAME
 from .accelerate import ours
 
 logger = logging.getLogger(__name__)
 
-OPTIM_NAME = "zero_bucket"
 SHARDED_DIR = "hf_zero_optimizer"  # inside a Trainer checkpoint, with sharded_checkpoints=True
 
 # inner name -> (optimizer class, fixed kwargs, uses Adam's betas/eps, extra optim_args keys)
@@ -199,8 +200,9 @@ _SHARDED_SAVES: "weakref.WeakKeyDictionary[ZeroBucketOptimizer, bool]" = weakref
 class ZeroBucketCallback(TrainerCallback):
     """Keeps a Trainer's ZeroBucketOptimizer right across trainability changes and saves.
 
-    Added to every Trainer by ``import hf_zero``; does nothing unless the Trainer's
-    optimizer is a :class:`~hf_zero.ZeroBucketOptimizer`. On every rank, in lockstep:
+    Added to every Trainer by :func:`register` (automatic with hf_zero installed); does
+    nothing unless the Trainer's optimizer is a :class:`~hf_zero.ZeroBucketOptimizer`.
+    On every rank, in lockstep:
 
     - at train begin (DDP has just been built) it records which params DDP reduces,
       arranges for the others' grads to be averaged at the end of each backward
