@@ -238,6 +238,11 @@ def run_trainer_catching(rank, world_size, **kwargs):
     return "no error"
 
 
+def trainer_world_size(rank, world_size, **overrides):
+    """The world size ``TrainingArguments(**overrides)`` reports in this process."""
+    return TrainingArguments("unused", report_to=[], **overrides).world_size
+
+
 def run_many(rank, world_size, runs):
     """Several runs in one spawn: ``runs`` is a list of (function name, kwargs)."""
     return [globals()[fn](rank, world_size, **kw) for fn, kw in runs]
