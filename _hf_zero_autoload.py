@@ -69,8 +69,9 @@ def _register(name: str) -> None:
         import warnings
 
         warnings.warn(
-            f"hf_zero could not register optim='zero_bucket' with {name} ({type(exc).__name__}: {exc}); "
-            f"it is unavailable in this process. Set {ENV_VAR}=0 to skip this start-up hook.",
+            f"hf_zero could not register with {name} ({type(exc).__name__}: {exc}); optim='zero_bucket' "
+            f"or the Accelerate wiring may be unavailable in this process. Set {ENV_VAR}=0 to skip this "
+            "start-up hook.",
             RuntimeWarning,
         )
 

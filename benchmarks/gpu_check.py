@@ -4,8 +4,10 @@ Two ranks share one GPU over gloo with CUDA tensors (NCCL refuses two ranks on o
 device), each training a DDP-wrapped model on its half of the global batch; the
 reference is the same torch optimizer in one process on the whole batch. Cases
 cover foreach and fused AdamW, flat and param shard modes, float64 (tight: 1e-12
-relative), bf16 autocast and bf16 params, a freeze/unfreeze cycle, and the
-consolidated state dict. In bf16, rounding differs between two half batches and one
+relative), bf16 autocast and bf16 params, a freeze/unfreeze cycle, the
+consolidated state dict, and the gradient path (grads reduce-scattered into their
+owners by a DDP comm hook, clipping through the optimizer's sharded norm, the
+parameter sync overlapped with the next forward). In bf16, rounding differs between two half batches and one
 whole batch (and Adam turns that noise into full-size updates of near-zero grads),
 so those cases are compared with plain DDP + the same torch optimizer on the same
 two ranks, which computes the same per-rank gradients.
@@ -49,6 +51,9 @@ STEPS = 6
 
 # name -> (param dtype, autocast dtype or None, optimizer options, shard, freeze schedule, tolerance);
 # tolerance None: compared with plain DDP on the same ranks (bf16), to 1e-6 of the distance moved.
+# Options starting with "zero_" go to ZeroBucketOptimizer (the gradient path), the rest to AdamW;
+# "clip" clips the grad norm (the optimizer's sharded norm; torch's in the reference).
+RS = {"zero_grad_reduce": "reduce_scatter"}
 CASES = {
     "f64_foreach_flat": (torch.float64, None, {"foreach": True}, "flat", False, 1e-12),
     "f64_fused_flat": (torch.float64, None, {"fused": True}, "flat", False, 1e-12),
@@ -56,6 +61,12 @@ CASES = {
     "f64_fused_freeze_unfreeze": (torch.float64, None, {"fused": True}, "flat", True, 1e-12),
     "f32_bf16_autocast_fused": (torch.float32, torch.bfloat16, {"fused": True}, "flat", False, None),
     "bf16_params_foreach": (torch.bfloat16, None, {"foreach": True}, "flat", False, None),
+    "f64_fused_reduce_scatter_flat_clip": (torch.float64, None, {"fused": True, "clip": 0.5, **RS}, "flat", False, 1e-12),
+    "f64_fused_reduce_scatter_param_overlap": (
+        torch.float64, None, {"fused": True, **RS, "zero_overlap_param_sync": True}, "param", False, 1e-12),
+    "f64_fused_reduce_scatter_freeze_unfreeze": (torch.float64, None, {"fused": True, **RS}, "flat", True, 1e-12),
+    "f32_bf16_autocast_reduce_scatter_overlap": (
+        torch.float32, torch.bfloat16, {"fused": True, **RS, "zero_overlap_param_sync": True}, "flat", False, None),
 }
 
 
@@ -86,6 +97,9 @@ def freeze_at(model, step):
 
 def train(case, device, rank=None, plain=False):
     dtype, autocast, opts, shard, freeze, _ = CASES[case]
+    clip = opts.get("clip")
+    zero_opts = {k.removeprefix("zero_"): v for k, v in opts.items() if k.startswith("zero_")}
+    opts = {k: v for k, v in opts.items() if k != "clip" and not k.startswith("zero_")}
     torch.manual_seed(0)
     model = Net(dtype).to(device)
     initial = [p.detach().double().cpu().clone() for p in model.parameters()]
@@ -94,7 +108,8 @@ def train(case, device, rank=None, plain=False):
     if rank is None or plain:
         opt = torch.optim.AdamW(model.parameters(), **lr, **opts)
     else:
-        opt = ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, shard=shard, **lr, **opts)
+        opt = ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, shard=shard, **zero_opts, **lr, **opts)
+        opt.bind_ddp(net)
     for step in range(STEPS):
         if freeze:
             freeze_at(model, step)
@@ -104,9 +119,15 @@ def train(case, device, rank=None, plain=False):
         with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
             loss = net(ids, target)
         loss.backward()
+        if clip is not None:
+            if isinstance(opt, ZeroBucketOptimizer):
+                opt.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     if rank is not None and not plain:
+        opt.wait_param_sync()
         opt.consolidate_state_dict(to=0)
     state = opt.state_dict() if rank in (None, 0) else None
     params = [p.detach().double().cpu().clone() for p in model.parameters()]

