@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import report, trainer_bench  # noqa: E402
 from benchmarks.suite import OPTIMIZERS, bench_rank  # noqa: E402
-from tests._dist import run_ranks  # noqa: E402
+from benchmarks._ranks import run_ranks  # noqa: E402
 
 FULL = {
     "models": {

@@ -158,10 +158,10 @@ def _local_limits(opt, set_grads, cfg) -> dict:
 
     Local update: the same AdamW on one flat tensor of this rank's element count.
     Sync: one broadcast per rank of each buffer's ranges (gloo's fastest raw
-    collective, DESIGN §3), on hf_zero's own buffers and on fresh ones of the same
+    collective, docs/architecture.md), on hf_zero's own buffers and on fresh ones of the same
     size. All are timed in turn, in a shuffled order, round after round.
     """
-    n = sum(pc.numel for _, _, pc in opt._pieces)
+    n = sum(lp.piece.numel for lp in opt._pieces)
     flat = torch.nn.Parameter(torch.zeros(n))
     flat.grad = torch.randn(n) * 1e-3
     ref = torch.optim.AdamW([flat], lr=LR)
@@ -178,12 +178,12 @@ def _local_limits(opt, set_grads, cfg) -> dict:
 
     def local():
         set_grads()
-        opt._local_step()
+        opt._local_step({})
 
     calls = {"local_s": local, "flat_local_s": ref.step, "sync_s": opt._sync, "raw_sync_s": raw_sync,
              "raw_sync_fresh_s": raw_sync_fresh,
              # the per-step checks: requires_grad mask, view integrity and the 24-byte agreement all-reduce
-             "checks_s": opt._prepare}
+             "checks_s": opt.ensure_partition}
     out = {k: [] for k in calls}
     names = list(calls)
     for i in range(cfg["steps"] + 1):
@@ -210,7 +210,7 @@ def _flat_full(n: int, cfg) -> list[float]:
 
 
 def _raw_broadcasts(buf, bounds) -> None:
-    """One broadcast per rank of its range: the fastest raw collective on gloo (DESIGN §3)."""
+    """One broadcast per rank of its range: the fastest raw collective on gloo (docs/architecture.md, field facts)."""
     works = [dist.broadcast(buf[a:b], src=r, async_op=True) for r, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
     for w in works:
         w.wait()
@@ -252,7 +252,7 @@ def _consolidate(opt, rank) -> dict:
 
 
 def _sync_limits(cfg) -> dict:
-    """Raw collectives on one buffer of the step benchmark's size, for reference (DESIGN §3 table)."""
+    """Raw collectives on one buffer of the step benchmark's size, for reference (docs/architecture.md, field facts)."""
     n = cfg["raw_buffer_elements"]
     ws = dist.get_world_size()
     buf = torch.zeros(n - n % ws)

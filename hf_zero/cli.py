@@ -14,18 +14,18 @@ def _plan(args) -> int:
 
 
 def _consolidate(args) -> int:
-    from . import checkpoint
+    from . import _offline
 
-    state_dict = checkpoint.consolidate_checkpoint(args.checkpoint)
-    checkpoint.save_state_dict(state_dict, args.output)
+    state_dict = _offline.consolidate_checkpoint(args.checkpoint)
+    _offline.save_state_dict(state_dict, args.output)
     print(f"wrote {args.output}: state of {len(state_dict['state'])} params in {len(state_dict['param_groups'])} param groups")
     return 0
 
 
 def _inspect(args) -> int:
-    from . import checkpoint
+    from . import _offline
 
-    print(checkpoint.inspect_checkpoint(args.checkpoint))
+    print(_offline.inspect_checkpoint(args.checkpoint))
     return 0
 
 

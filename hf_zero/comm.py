@@ -49,6 +49,13 @@ class Comm:
         ]
 
     @property
+    def process_group(self):
+        """The group hf_zero shards over (``dist.group.WORLD`` for the default; None without torch.distributed)."""
+        if not self.enabled:
+            return None
+        return self.group if self.group is not None else dist.group.WORLD
+
+    @property
     def device(self) -> torch.device:
         """Where small control tensors live for this backend."""
         if self.backend == "nccl":
@@ -60,7 +67,7 @@ class Comm:
         """Give every rank the whole ``buffer``; rank r holds the truth in ``bounds[r]:bounds[r+1]``.
 
         [Note: sync collective]
-        Measured on gloo (DESIGN §3), one broadcast per rank beats all_gather by
+        Measured on gloo (docs/architecture.md, field facts), one broadcast per rank beats all_gather by
         2-8x; NCCL's all_gather_into_tensor is its fastest path. So equal ranges on
         NCCL use one in-place all-gather, everything else one broadcast per rank.
         """

@@ -48,6 +48,28 @@ import torch
 
 SHARD_MODES = ("flat", "param")
 
+_ELEMENTWISE = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.ASGD,
+)
+# Third-party elementwise optimizers, matched by class name (no import needed).
+_ELEMENTWISE_NAMES = frozenset({"Lion"})
+
+
+def is_elementwise(optimizer_class: type) -> bool:
+    """True when updating slices of a param separately equals updating the whole param
+    (the condition for ``shard="flat"``)."""
+    return issubclass(optimizer_class, _ELEMENTWISE) or optimizer_class.__name__ in _ELEMENTWISE_NAMES
+
 # Each rank's range in flat mode starts on a multiple of this many bytes.
 _ALIGN_BYTES = 64
 
@@ -203,7 +225,7 @@ def _param_buffer(device, dtype, indices, specs, owner, world_size) -> BufferPla
 def _param_owners(specs: Sequence[ParamSpec], world_size: int) -> dict[int, int]:
     """Whole-param owners: the better of LPT over trainable params and torch's greedy."""
     trainable = [i for i, s in enumerate(specs) if s.trainable and s.numel > 0]
-    candidates = [_lpt(trainable, specs, world_size), _torch_greedy(specs, world_size)]
+    candidates = [_lpt(trainable, specs, world_size), torch_zero_owners(specs, world_size)]
 
     def worst(owner):
         loads = [0] * world_size
@@ -224,7 +246,7 @@ def _lpt(indices, specs, world_size) -> dict[int, int]:
     return owner
 
 
-def _torch_greedy(specs, world_size) -> dict[int, int]:
+def torch_zero_owners(specs, world_size) -> dict[int, int]:
     """torch's ZeroRedundancyOptimizer partition: per group, largest first, frozen params counted."""
     sizes = [0] * world_size
     owner = {}
@@ -241,7 +263,7 @@ def _torch_greedy(specs, world_size) -> dict[int, int]:
 
 def torch_zero_loads(specs: Sequence[ParamSpec], *, world_size: int) -> list[int]:
     """Trainable elements per rank under torch's ZeroRedundancyOptimizer partition."""
-    owner = _torch_greedy(specs, world_size)
+    owner = torch_zero_owners(specs, world_size)
     loads = [0] * world_size
     for i, s in enumerate(specs):
         if s.trainable:

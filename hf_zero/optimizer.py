@@ -2,37 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import warnings
-from typing import Any, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import torch
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from . import checkpoint, reference
+from . import _sharded
+from ._codec import class_name, decode, encode
+from ._statedict import ShardedState, check_state_dict, group_problems, hyperparams, match_checkpoint, mismatch_error
 from .comm import Comm, fingerprint
-from .layout import Layout, ParamSpec, Piece, plan_layout
-from .state import Holding, Holdings, redistribute, shape_as
+from .layout import Layout, ParamSpec, Piece, is_elementwise, plan_layout
+from .state import Holding, Holdings, Kind, kind_of, redistribute, shape_as, split_canonical
 
-_ELEMENTWISE = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.RMSprop,
-    torch.optim.Rprop,
-    torch.optim.ASGD,
-)
-# Third-party elementwise optimizers, matched by class name (no import needed).
-_ELEMENTWISE_NAMES = frozenset({"Lion"})
 _NOT_HYPER = ("params", "param_names")
-
-
-def is_elementwise(optimizer_class: type) -> bool:
-    """True when updating slices of a param separately equals updating the whole param."""
-    return issubclass(optimizer_class, _ELEMENTWISE) or optimizer_class.__name__ in _ELEMENTWISE_NAMES
 
 
 def _check_params(param_groups: list[dict]) -> None:
@@ -53,12 +38,40 @@ def _check_params(param_groups: list[dict]) -> None:
             seen.add(id(p))
 
 
-class ZeroBucketOptimizer(torch.optim.Optimizer):
+@dataclass(frozen=True)
+class _LocalPiece:
+    """A piece this rank owns: ``tensor`` (a view of ``param``) is what the local optimizer steps."""
+
+    tensor: torch.Tensor
+    param: torch.Tensor
+    piece: Piece
+
+
+@dataclass
+class _Iteration:
+    """What happened since the last step (or ``zero_grad``): reset by both."""
+
+    grads_averaged: bool = False
+
+
+class _JoinHook(JoinHook):
+    """Shadows the step's collectives on a rank that ran out of inputs (as torch's ZeRO does)."""
+
+    def __init__(self, optimizer: "ZeroBucketOptimizer"):
+        self.optimizer = optimizer
+
+    def main_hook(self) -> None:
+        self.optimizer.step()
+
+
+class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     """ZeRO stage-1: each rank keeps optimizer state only for the elements it owns.
 
-    A drop-in for :class:`torch.distributed.optim.ZeroRedundancyOptimizer` (same
-    argument names), which follows ``requires_grad`` changes, mixes dtypes and
-    devices, and syncs parameters with a few whole-buffer collectives per step.
+    A drop-in for :class:`torch.distributed.optim.ZeroRedundancyOptimizer` (its
+    whole constructor signature, ``step(closure, **kwargs)``, local param-group
+    changes written back, :class:`~torch.distributed.algorithms.join.Join`
+    support), which follows ``requires_grad`` changes, mixes dtypes and devices,
+    and syncs parameters with a few whole-buffer collectives per step.
 
     Args:
         params: tensors, ``(name, tensor)`` pairs or param groups. Include frozen
@@ -69,7 +82,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         parameters_as_bucket_view: make every trainable param's ``.data`` a view
             into one flat buffer per (device, dtype), so the sync moves whole
             buffers. ``False`` keeps params' own storage (the sync then copies
-            through a staging buffer).
+            through a staging buffer). Default ``True`` (torch's default is ``False``).
+        overlap_with_ddp: accepted for torch compatibility; only ``False`` is
+            supported (``True`` raises ``ValueError``).
         shard: ``"flat"`` (equal ranges, params may straddle ranks; elementwise
             optimizers only), ``"param"`` (whole params; any optimizer) or
             ``"auto"`` (flat when ``optimizer_class`` is elementwise).
@@ -78,6 +93,13 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
     Buffers are built at the first :meth:`step` (after ``model.to`` or
     ``accelerator.prepare`` moved the params) and checked at every step.
     Every method that says *collective* must be called on all ranks.
+
+    Integration protocol (used by hf_zero's Trainer/Accelerate integrations; see
+    docs/architecture.md): :attr:`params`, :attr:`param_names`, :meth:`param_label`,
+    :meth:`group_of`, :attr:`rank`, :attr:`world_size`, :meth:`ensure_partition`,
+    :meth:`mark_ddp_reduced`, :meth:`unreduced_params`, :meth:`average_unreduced_grads`,
+    :meth:`release_views`, :meth:`stats`, :meth:`refer_to_sharded`,
+    :meth:`load_pending_sharded`, :meth:`load_sharded_if_present`.
     """
 
     def __init__(
@@ -86,11 +108,18 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         process_group: Any = None,
         parameters_as_bucket_view: bool = True,
+        overlap_with_ddp: bool = False,
         shard: str = "auto",
         **defaults: Any,
     ):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        if overlap_with_ddp:
+            raise ValueError(
+                "overlap_with_ddp=True (torch's DDP-communication-hook mode) is not supported by "
+                "ZeroBucketOptimizer; pass overlap_with_ddp=False: the parameter sync is a few "
+                "whole-buffer collectives per step"
+            )
         if shard not in ("auto", "flat", "param"):
             raise ValueError(f"shard must be 'auto', 'flat' or 'param', got {shard!r}")
         if shard == "flat" and not is_elementwise(optimizer_class):
@@ -104,7 +133,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # torch only warns on duplicates
             try:
-                super().__init__(params, {})
+                torch.optim.Optimizer.__init__(self, params, {})
             except UserWarning as w:
                 raise ValueError(f"params: {w}") from None
         _check_params(self.param_groups)
@@ -115,6 +144,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
         del probe
+        Joinable.__init__(self)
 
         self.optimizer_class = optimizer_class
         self.shard = shard
@@ -125,18 +155,16 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         self._fingerprint: int | None = None
         self._ddp_reduced: tuple[bool, ...] | None = None
         self._inner: torch.optim.Optimizer | None = None
-        self._inner_groups: list[int] = []
-        self._pieces: list[tuple[torch.Tensor, torch.Tensor, Piece]] = []
+        self._pieces: list[_LocalPiece] = []
         self._buffers: list[torch.Tensor] = []
         self._ptrs: dict[int, int] = {}
         self._parked: Holdings = {}
         self._consolidated: dict | None = None
-        self._sharded_ref: tuple[int, dict] | None = None  # see [Note: sharded reference]
-        self._pending_sharded: dict | None = None
+        self._state_token = object()  # replaced whenever state values change
         self._has_state = False
-        self._state_version = 0  # bumped whenever state values change (see checkpoint.ShardedState)
-        self._names_by_id: dict[int, str] = {}
-        self._grads_averaged = False
+        self._sharded_ref: tuple[object, dict] | None = None  # (state token, info): see [Note: sharded reference]
+        self._pending_ref: dict | None = None
+        self._iteration = _Iteration()
         self.rebuilds = 0
         self._ready = True
         self._index_params()
@@ -152,13 +180,37 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
     def _index_params(self) -> None:
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
-        self._param_names = [self._names_by_id.get(id(p)) or n for p, n in zip(self._params, names)]
+        self._param_names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
 
-    def _name(self, i: int) -> str:
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """Every param, in param-group order (the order ``state_dict`` numbers them)."""
+        return tuple(self._params)
+
+    @property
+    def param_names(self) -> tuple[str | None, ...]:
+        """Each param's name from the groups' ``param_names`` (None where not given)."""
+        return tuple(self._param_names)
+
+    def param_label(self, i: int) -> str:
+        """How errors name param ``i``: its name (or ``#i``), group and shape."""
         p = self._params[i]
         label = self._param_names[i] or f"#{i}"
         return f"{label} (group {self._group_of[i]}, shape {tuple(p.shape)})"
+
+    def group_of(self, i: int) -> int:
+        """The index of the param group holding param ``i``."""
+        return self._group_of[i]
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the process group."""
+        return self._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks the state is sharded over."""
+        return self._comm.world_size
 
     def _specs(self) -> list[ParamSpec]:
         return [
@@ -168,30 +220,44 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
 
     # -- step ----------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, closure=None):
-        """Update the params this rank owns, then sync every buffer. Collective."""
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any):
+        """Update the params this rank owns, then sync every buffer. Collective.
+
+        ``closure`` (re-evaluates the model, returns the loss) runs once, before the
+        update, on every rank; ``kwargs`` go to the local optimizer's ``step``, as
+        torch's ZeroRedundancyOptimizer forwards them. Returns the closure's loss.
+        """
+        Join.notify_join_context(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._prepare()
-        self._average_unreduced_grads()
-        if self._inner is not None:
-            self._local_step()
+        self.ensure_partition()
+        if not self._iteration.grads_averaged:
+            self.average_unreduced_grads()
+        self._local_step(kwargs)
         self._sync()
-        self._grads_averaged = False
+        self._iteration = _Iteration()
         self._has_state = True
         self._consolidated = None
-        self._state_version += 1
+        self._state_token = object()
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._iteration = _Iteration()
 
     def refresh_trainable(self) -> None:
         """Re-partition the current trainable set and move optimizer state. Collective."""
-        self._prepare(force=True)
+        self._ensure_partition(force=True)
 
-    def _prepare(self, force: bool = False) -> None:
-        """Check trainability and views; rebuild on every rank if any rank needs it."""
-        reference.check_pending(self)
+    def ensure_partition(self) -> None:
+        """Check trainability and views on every rank and rebuild on every rank if any
+        rank needs it: one 24-byte agreement all-reduce. Collective; :meth:`step` calls it."""
+        self._ensure_partition(force=False)
+
+    def _ensure_partition(self, force: bool) -> None:
+        self._check_pending()
         mask = tuple(p.requires_grad for p in self._params)
         intact = self._views_intact()
         if mask != self._mask or not intact or self._fingerprint is None:
@@ -225,7 +291,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
                     for r, s in enumerate(seen)
                 )
                 raise RuntimeError(
-                    f"hf_zero: ranks disagree on parameter {self._name(i)}: {per_rank}. Every rank must "
+                    f"hf_zero: ranks disagree on parameter {self.param_label(i)}: {per_rank}. Every rank must "
                     "freeze/unfreeze the same params and keep the same shapes, dtypes and devices."
                 )
         raise RuntimeError("hf_zero: ranks disagree on the parameter layout")
@@ -233,44 +299,53 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
     def _views_intact(self) -> bool:
         return all(self._params[i].data_ptr() == ptr for i, ptr in self._ptrs.items())
 
-    def _average_unreduced_grads(self) -> None:
-        """Average grads DDP does not reduce: params frozen when it was built (DESIGN §4).
-
-        Runs once per step; integrations call it earlier where a GradScaler must
-        see the averaged grads.
-        """
-        if self._comm.world_size == 1 or self._grads_averaged:
-            return
-        if self._ddp_reduced is None:
-            self._note_ddp_built()
-        unreduced = [p for p, then in zip(self._params, self._ddp_reduced) if p.requires_grad and not then]
-        self._comm.average_grads(unreduced)
-        self._grads_averaged = True
-
-    def _note_ddp_built(self) -> None:
-        """Record the params DDP reduces: those trainable now. Without a call, the
-        set trainable at the first step is taken."""
+    # -- gradients DDP does not reduce (see docs/architecture.md, "Unreduced gradients")
+    def mark_ddp_reduced(self) -> None:
+        """Record that DDP reduces exactly the params trainable now: call it when DDP has
+        just been built. Without a call, the set trainable at the first step is taken."""
         self._ddp_reduced = tuple(p.requires_grad for p in self._params)
 
-    def _local_step(self) -> None:
-        for inner_group, gi in zip(self._inner.param_groups, self._inner_groups):
-            for k, v in self.param_groups[gi].items():
+    def unreduced_params(self) -> list[torch.Tensor]:
+        """The params DDP never reduces (frozen when it was built): hf_zero averages their grads."""
+        if self._ddp_reduced is None:
+            self.mark_ddp_reduced()
+        return [p for p, reduced in zip(self._params, self._ddp_reduced) if not reduced]
+
+    def average_unreduced_grads(self) -> None:
+        """Average over ranks the grads of trainable params DDP does not reduce. Collective.
+
+        :meth:`step` does it unless it was done since the last step or ``zero_grad``;
+        integrations call it at the end of each syncing backward, so clipping and
+        GradScaler see averaged grads.
+        """
+        if self._comm.world_size > 1:
+            self._comm.average_grads([p for p in self.unreduced_params() if p.requires_grad])
+        self._iteration.grads_averaged = True
+
+    def _local_step(self, kwargs: dict) -> None:
+        for inner_group, group in zip(self._inner.param_groups, self.param_groups):
+            for k, v in group.items():
                 if k not in _NOT_HYPER:
                     inner_group[k] = v
         flat = self.shard == "flat"
-        for t, p, pc in self._pieces:
-            g = p.grad
+        for lp in self._pieces:
+            g = lp.param.grad
             if g is None:
-                t.grad = None
+                lp.tensor.grad = None
             elif flat:
-                t.grad = g.reshape(-1)[pc.start : pc.stop]
+                lp.tensor.grad = g.reshape(-1)[lp.piece.start : lp.piece.stop]
             else:
-                t.grad = g
+                lp.tensor.grad = g
         try:
-            self._inner.step()
+            self._inner.step(**kwargs)
         finally:
-            for t, _, _ in self._pieces:
-                t.grad = None
+            for lp in self._pieces:
+                lp.tensor.grad = None
+        # The local optimizer may change its own hyperparameters (as torch's ZeRO, copy them back).
+        for inner_group, group in zip(self._inner.param_groups, self.param_groups):
+            for k, v in inner_group.items():
+                if k not in _NOT_HYPER:
+                    group[k] = v
 
     def _sync(self) -> None:
         if self._comm.world_size == 1:
@@ -278,9 +353,10 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         for b, plan in enumerate(self._layout.buffers):
             buf = self._buffers[b]
             if not self.parameters_as_bucket_view:
-                for t, _, pc in self._pieces:
+                for lp in self._pieces:
+                    pc = lp.piece
                     if pc.buffer == b:
-                        buf[pc.offset : pc.offset + pc.numel].copy_(t.reshape(-1))
+                        buf[pc.offset : pc.offset + pc.numel].copy_(lp.tensor.reshape(-1))
             self._comm.sync_buffer(buf, plan.bounds)
             if not self.parameters_as_bucket_view:
                 # This rank's own range is already in the params: its pieces are views of them.
@@ -292,15 +368,30 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
                         if a < b:
                             flat[a - start : b - start].copy_(buf[a:b])
 
+    # -- Join ------------------------------------------------------------------------
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """For :class:`~torch.distributed.algorithms.join.Join`: a rank out of inputs keeps
+        taking steps (with the grads it holds, as torch's ZeroRedundancyOptimizer does)."""
+        return _JoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._comm.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._comm.process_group
+
     # -- rebuild -------------------------------------------------------------------
     def _holdings(self) -> Holdings:
         """All state this rank holds: its active pieces' and parked (frozen / not yet placed)."""
         held: Holdings = {i: list(hs) for i, hs in self._parked.items()}
         if self._inner is not None:
-            for t, _, pc in self._pieces:
-                st = self._inner.state.get(t)
+            for lp in self._pieces:
+                st = self._inner.state.get(lp.tensor)
                 if st:
-                    held.setdefault(pc.index, []).append(Holding(pc.start, pc.stop, tuple(t.shape), dict(st)))
+                    pc = lp.piece
+                    held.setdefault(pc.index, []).append(Holding(pc.start, pc.stop, tuple(lp.tensor.shape), dict(st)))
         for hs in held.values():
             hs.sort(key=lambda h: h.start)
         return held
@@ -309,15 +400,13 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(self._params):
             if p.requires_grad and p.device.type == "meta":
                 raise ValueError(
-                    f"param {self._name(i)} is on the meta device at step time: materialize the "
+                    f"param {self.param_label(i)} is on the meta device at step time: materialize the "
                     "model (e.g. model.to_empty(device=...) and load weights) before stepping"
                 )
-        specs = self._specs()
-        layout = plan_layout(specs, world_size=self._comm.world_size, shard=self.shard)
+        layout = plan_layout(self._specs(), world_size=self._comm.world_size, shard=self.shard)
         held = self._holdings()
-        rank = self._comm.rank
         trainable = {i for i, m in enumerate(mask) if m}
-        if layout == self._layout and not self._parked_trainable(trainable):
+        if layout == self._layout and not any(i in trainable for i in self._parked):
             new_held = {i: hs for i, hs in held.items() if i in trainable}
         else:
             targets: dict[int, list[tuple[int, int, int]]] = {}
@@ -330,24 +419,21 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
                 targets,
                 numels={i: p.numel() for i, p in enumerate(self._params)},
                 device_of=lambda i: self._params[i].device,
-                names=self._name,
+                names=self.param_label,
                 piece_shape=self._piece_shape,
             )
         self._parked = {i: hs for i, hs in held.items() if i not in trainable}
         self._build_buffers(layout)
-        self._build_inner(layout.pieces(rank), new_held)
+        self._build_inner(layout.pieces(self._comm.rank), new_held)
         self._layout = layout
         self._mask = mask
         if self._ddp_reduced is None:
-            self._note_ddp_built()
+            self.mark_ddp_reduced()
         self.rebuilds += 1
 
     def _piece_shape(self, i: int, start: int, stop: int) -> tuple[int, ...]:
         """The shape the local optimizer steps elements ``start:stop`` of param ``i`` as."""
         return tuple(self._params[i].shape) if self.shard == "param" else (stop - start,)
-
-    def _parked_trainable(self, trainable: set[int]) -> bool:
-        return any(i in trainable for i in self._parked)
 
     def _build_buffers(self, layout: Layout) -> None:
         if self.parameters_as_bucket_view:
@@ -356,8 +442,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
                     p.data = p.data.clone()
         self._buffers, self._ptrs = [], {}
         for plan in layout.buffers:
-            device = torch.device(plan.device)
-            buf = torch.zeros(plan.size, dtype=plan.dtype, device=device)
+            buf = torch.zeros(plan.size, dtype=plan.dtype, device=torch.device(plan.device))
             for slot in plan.slots:
                 p = self._params[slot.index]
                 view = buf[slot.offset : slot.offset + slot.numel]
@@ -370,31 +455,59 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
             self._buffers.append(buf)
 
     def _build_inner(self, pieces: list[Piece], held: Holdings) -> None:
-        by_group: dict[int, list[torch.Tensor]] = {}
+        """The local optimizer: one group per param group (empty where this rank owns
+        nothing of it, so every rank's local optimizer sees the same hyperparameters)."""
+        by_group: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
         self._pieces = []
         for pc in pieces:
             p = self._params[pc.index]
             t = p.data.view(-1)[pc.start : pc.stop]
             if self.shard == "param":
                 t = t.view(p.shape)
-            self._pieces.append((t, p, pc))
-            by_group.setdefault(self._group_of[pc.index], []).append(t)
-        if not self._pieces:
-            self._inner, self._inner_groups = None, []
-            return
-        self._inner_groups = sorted(by_group)
+            self._pieces.append(_LocalPiece(t, p, pc))
+            by_group[self._group_of[pc.index]].append(t)
         groups = [
-            {**{k: v for k, v in self.param_groups[gi].items() if k not in _NOT_HYPER}, "params": by_group[gi]}
-            for gi in self._inner_groups
+            {**{k: v for k, v in group.items() if k not in _NOT_HYPER}, "params": params}
+            for group, params in zip(self.param_groups, by_group)
         ]
         self._inner = self.optimizer_class(groups)
-        for t, p, pc in self._pieces:
-            for h in held.get(pc.index, ()):
-                if h.start == pc.start and h.stop == pc.stop:
-                    self._inner.state[t] = {
-                        k: v.to(t.device) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                        for k, v in shape_as(h, t.shape).items()
+        for lp in self._pieces:
+            for h in held.get(lp.piece.index, ()):
+                if h.start == lp.piece.start and h.stop == lp.piece.stop:
+                    self._inner.state[lp.tensor] = {
+                        k: v.to(lp.tensor.device) if kind_of(v, lp.tensor.shape) in (Kind.ELEMENTWISE, Kind.BLOB) else v
+                        for k, v in shape_as(h, lp.tensor.shape).items()
                     }
+
+    def release_views(self) -> None:
+        """Give every param that shares its storage with another its own storage, for
+        savers that reject shared storage. The next step rebuilds the buffers from the
+        params' current values on every rank (no optimizer state moves)."""
+        shared: dict[int, int] = {}
+        for p in self._params:
+            key = p.untyped_storage().data_ptr()
+            shared[key] = shared.get(key, 0) + 1
+        for p in self._params:
+            if shared[p.untyped_storage().data_ptr()] > 1:
+                p.data = p.data.clone()
+
+    def stats(self) -> dict[str, Any]:
+        """Per-rank trainable elements owned and optimizer-state bytes held, and the
+        rebuild count. Collective (one small object exchange)."""
+        elements = sum(lp.piece.numel for lp in self._pieces)
+        state_bytes = sum(
+            v.numel() * v.element_size()
+            for hs in self._holdings().values()
+            for h in hs
+            for v in h.state.values()
+            if isinstance(v, torch.Tensor)
+        )
+        per_rank = self._comm.all_gather_object((elements, state_bytes))
+        return {
+            "rebuilds": self.rebuilds,
+            "elements_per_rank": [e for e, _ in per_rank],
+            "state_bytes_per_rank": [b for _, b in per_rank],
+        }
 
     # -- state dict ------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0, *, device: str | torch.device | None = None) -> None:
@@ -409,7 +522,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         """
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"to must be a rank in [0, {self._comm.world_size}), got {to}")
-        reference.check_pending(self)
+        self._check_pending()
         self._check_agreement()
         target = None if device is None else torch.device(device)
         numels = {i: p.numel() for i, p in enumerate(self._params)}
@@ -419,7 +532,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
             lambda indices: {i: [(to, 0, numels[i])] for i in indices},
             numels=numels,
             device_of=lambda i: target or self._params[i].device,
-            names=self._name,
+            names=self.param_label,
             piece_shape=lambda i, start, stop: tuple(self._params[i].shape),
             reuse_own=True,  # see [Note: reused holdings]
         )
@@ -434,31 +547,40 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         Never a collective. On one rank, or before any state exists, it is complete.
         On several ranks call :meth:`consolidate_state_dict` (on all ranks) after the
         last step and read this on the rank it gathered to. Otherwise ``"state"`` is
-        a :class:`~hf_zero.checkpoint.ShardedState`: reading, pickling or saving it
-        raises an error naming that fix, and only this optimizer's
-        :meth:`load_state_dict` accepts it, keeping the state each rank holds (so
-        Accelerate's ``state_dict()``/``load_state_dict()`` round trip in
-        ``AcceleratedOptimizer.__init__`` works at any point of training). Integrations
-        writing sharded checkpoints make it a small reference to one instead (see
-        :mod:`hf_zero.reference`).
+        a ``ShardedState`` handle: reading, pickling or saving it raises an error
+        naming that fix, and only this optimizer's :meth:`load_state_dict` accepts it,
+        keeping the state each rank holds (so Accelerate's ``state_dict()`` /
+        ``load_state_dict()`` round trip in ``AcceleratedOptimizer.__init__`` works at
+        any point of training). After :meth:`refer_to_sharded`, until the state
+        changes, it is a small reference to that sharded checkpoint instead.
         """
-        ref = reference.state_dict_for(self)
+        ref = self._pending_ref
+        if ref is None and self._sharded_ref is not None and self._consolidated is None:
+            token, info = self._sharded_ref
+            ref = info if token is self._state_token else None
         if ref is not None:
-            return ref
+            return _sharded.reference(ref)
         sharded = None
         if self._consolidated is None:
             if self._comm.world_size == 1:
                 self.consolidate_state_dict(0)
             elif self._has_state:
-                sharded = checkpoint.ShardedState(self, self._state_version, self._comm.world_size)
+                sharded = ShardedState(self._state_token, self._comm.world_size)
+        state = sharded if sharded is not None else dict(self._consolidated or {})
+        return {"state": state, "param_groups": self._packed_groups(encode_values=False)}
+
+    def _packed_groups(self, encode_values: bool) -> list[dict]:
         index, groups = 0, []
-        for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
+        for gi, g in enumerate(self.param_groups):
+            packed = {
+                k: encode(v, f"param group {gi} {k!r}") if encode_values else v
+                for k, v in g.items()
+                if k != "params"
+            }
             packed["params"] = list(range(index, index + len(g["params"])))
             index += len(g["params"])
             groups.append(packed)
-        state = sharded if sharded is not None else dict(self._consolidated or {})
-        return {"state": state, "param_groups": groups}
+        return groups
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full (PyTorch-format) state dict; each rank keeps what it owns.
@@ -467,55 +589,52 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
         (it may live on the CPU: only this rank's pieces are copied to the device).
         A dict of another model (group sizes, ``param_names``, state shapes) or
         another optimizer class raises ``ValueError`` listing the mismatches, and
-        nothing changes. Not a collective. A reference to a sharded checkpoint (see
-        :mod:`hf_zero.reference`) is kept pending until loaded; stepping before raises.
+        nothing changes. Not a collective. A reference to a sharded checkpoint is
+        kept pending until loaded (:meth:`load_pending_sharded`); stepping before raises.
         """
-        if reference.is_reference(state_dict):
-            reference.load(self, state_dict)
+        if _sharded.is_reference(state_dict):
+            ref = _sharded.reference_info(state_dict)
+            current = self._sharded_ref
+            held_now = current is not None and current[0] is self._state_token and current[1]["token"] == ref["token"]
+            self._pending_ref = None if held_now else ref
             return
-        checkpoint.load_state_dict(self, state_dict)
-
-    def save_sharded(self, path) -> None:
-        """Write a sharded checkpoint to directory ``path`` (its own; all ranks must see it),
-        each rank its own state, with no gather. Collective.
-
-        Atomic: until it returns the directory keeps its previous checkpoint. See
-        :mod:`hf_zero.checkpoint` for the format and ``hf-zero consolidate`` / ``inspect``.
-        """
-        self._check_agreement()
-        reference.check_pending(self)
-        checkpoint.save_sharded(self, path)
-
-    def load_sharded(self, path) -> None:
-        """Load a sharded checkpoint written on any world size and shard mode. Collective.
-
-        Each rank reads only the ranges it will own. A checkpoint of another model or
-        optimizer class raises ``ValueError`` listing the mismatches; nothing changes.
-        """
-        self._check_agreement()
-        checkpoint.load_sharded(self, path)
-
-    def _set_param_names(self, named_params) -> None:
-        """Name params for checkpoints from ``(name, param)`` pairs, e.g. ``model.named_parameters()``."""
-        self._names_by_id = {id(p): n for n, p in named_params}
-        self._index_params()
-
-    def _adopt_loaded(self, hyperparams: list[dict], held: Holdings | None, has_state: bool = False) -> None:
-        """Take loaded hyperparameters and this rank's loaded state (None: keep the current state)."""
-        for mine, hp in zip(self.param_groups, hyperparams):
-            mine.update(hp)
-        self._pending_sharded = None
-        # Every rank loads, and at the next step every rank rebuilds through
-        # redistribute: whether it has to must not depend on what this rank holds.
-        self._layout = None
-        if held is None:
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), ShardedState):
+            problems = group_problems(self, [len(g["params"]) for g in state_dict.get("param_groups", [])])
+            if problems:
+                raise mismatch_error("the loaded state dict", problems)
+            if state_dict["state"].token is not self._state_token:
+                raise ValueError(
+                    "hf_zero: this state dict holds unconsolidated sharded state of another optimizer, or of "
+                    "this one before its state changed, and cannot be loaded: consolidate_state_dict() first"
+                )
+            self._adopt_loaded(hyperparams(state_dict["param_groups"]), None)
             return
-        self._parked = held
-        self._inner, self._pieces = None, []
-        self._mask = None
-        self._has_state = has_state
-        self._consolidated = None
-        self._state_version += 1
+        by_index = check_state_dict(self, state_dict)
+
+        def read(i, start, stop, piece_shape):
+            if i not in by_index:
+                return None
+            return split_canonical(by_index[i], self._params[i].shape, start, stop, piece_shape, self.param_label(i))
+
+        self._adopt_loaded(hyperparams(state_dict["param_groups"]), self._place(read), has_state=bool(by_index))
+
+    def _place(self, read: Callable[[int, int, int, tuple], dict | None]) -> Holdings:
+        """This rank's holdings after a load, ``read(i, start, stop, piece_shape)`` giving
+        the state of each: its pieces of the layout the next step builds, plus the whole
+        state of params outside the layout (frozen), parked on rank ``i % world size``."""
+        rank, ws = self._comm.rank, self._comm.world_size
+        layout = plan_layout(self._specs(), world_size=ws, shard=self.shard)
+        targets = [(pc.index, pc.start, pc.stop, self._piece_shape(pc.index, pc.start, pc.stop))
+                   for pc in layout.pieces(rank)]
+        slotted = layout.slots()
+        targets += [(i, 0, p.numel(), tuple(p.shape)) for i, p in enumerate(self._params)
+                    if i not in slotted and i % ws == rank]
+        held: Holdings = {}
+        for i, start, stop, shape in targets:
+            st = read(i, start, stop, shape)
+            if st is not None:
+                held.setdefault(i, []).append(Holding(start, stop, shape, self._cast(st, i)))
+        return held
 
     def _cast(self, state: dict, i: int) -> dict:
         """Copy loaded values to param ``i``'s device and dtype, as torch's load_state_dict does."""
@@ -534,3 +653,139 @@ class ZeroBucketOptimizer(torch.optim.Optimizer):
             else:
                 out[k] = v.to(device=p.device, copy=True)
         return out
+
+    def _adopt_loaded(self, hyper: list[dict], held: Holdings | None, has_state: bool = False) -> None:
+        """Take loaded hyperparameters and this rank's loaded state (None: keep the current state)."""
+        for mine, hp in zip(self.param_groups, hyper):
+            mine.update(hp)
+        self._pending_ref = None
+        # Every rank loads, and at the next step every rank rebuilds through
+        # redistribute: whether it has to must not depend on what this rank holds.
+        self._layout = None
+        if held is None:
+            return
+        self._parked = held
+        self._inner, self._pieces = None, []
+        self._mask = None
+        self._has_state = has_state
+        self._consolidated = None
+        self._state_token = object()
+
+    # -- sharded checkpoints -----------------------------------------------------------
+    def save_sharded(self, path: str | os.PathLike) -> None:
+        """Write a sharded checkpoint to directory ``path`` (its own; all ranks must see it),
+        each rank its own state, with no gather. Collective.
+
+        Atomic: until it returns the directory keeps its previous checkpoint. See
+        :mod:`hf_zero._sharded` for the format and ``hf-zero consolidate`` / ``inspect``.
+        """
+        self._check_agreement()
+        self._check_pending()
+        names = self._param_names
+        unique = len(set(names)) == len(names)
+        labels = [n if n is not None and unique else f"#{i}" if n is None else f"{n}#{i}" for i, n in enumerate(names)]
+        record = {
+            "optimizer_class": class_name(self.optimizer_class),
+            "shard": self.shard,
+            "world_size": self._comm.world_size,
+            "parameters_as_bucket_view": self.parameters_as_bucket_view,
+            "torch_version": torch.__version__,
+            "params": [
+                {
+                    "name": names[i],
+                    "shape": list(p.shape),
+                    "dtype": str(p.dtype).removeprefix("torch."),
+                    "group": self._group_of[i],
+                    "trainable": bool(p.requires_grad),
+                }
+                for i, p in enumerate(self._params)
+            ],
+            "param_groups": self._packed_groups(encode_values=True),
+        }
+        _sharded.write(self._comm, path, self._holdings(), labels, record)
+
+    def load_sharded(self, path: str | os.PathLike) -> None:
+        """Load a sharded checkpoint written on any world size and shard mode. Collective.
+
+        Each rank reads only the ranges it will own. A checkpoint of another model or
+        optimizer class raises ``ValueError`` listing the mismatches; nothing changes.
+        """
+        self._check_agreement()
+        failure: BaseException | None = None
+        try:
+            with _sharded.Checkpoint(path) as ckpt:
+                mapping = match_checkpoint(self, ckpt)
+                groups = [{k: decode(v) for k, v in g.items() if k != "params"} for g in ckpt.record["param_groups"]]
+                held = self._place(lambda i, start, stop, shape: ckpt.read(mapping[i], start, stop, shape))
+                has_state = ckpt.has_state()
+        except Exception as e:  # every rank must reach the exchange below
+            failure = e
+        report = None if failure is None else f"rank {self._comm.rank}: {type(failure).__name__}: {failure}"
+        reports = [r for r in self._comm.all_gather_object(report) if r]
+        if failure is not None:
+            raise failure
+        if reports:
+            raise RuntimeError("hf_zero: load_sharded failed on another rank, nothing was loaded:\n  " + "\n  ".join(reports))
+        self._adopt_loaded(groups, held, has_state=has_state)
+
+    def load_sharded_if_present(self, path: str | os.PathLike) -> bool:
+        """Load the sharded checkpoint in ``path`` if there is one (then refer to it, see
+        :meth:`refer_to_sharded`); return whether one was loaded. Collective: raises on
+        every rank when ranks see different checkpoints there."""
+        tokens = self._comm.all_gather_object(_sharded.token_at(path))
+        if len(set(tokens)) > 1:
+            raise RuntimeError(
+                f"hf_zero: ranks see different sharded optimizer checkpoints in {os.fspath(path)!r} (commit tokens "
+                f"per rank: {tokens}); all ranks must see the same directory"
+            )
+        if tokens[0] is None:
+            return False
+        self.load_sharded(path)
+        self.refer_to_sharded(path)
+        return True
+
+    def refer_to_sharded(self, path: str | os.PathLike, **info: Any) -> None:
+        """Until the state changes, make :meth:`state_dict` a small reference to the sharded
+        checkpoint in ``path``, which must hold this optimizer's current state (just saved
+        or loaded there); ``info``: extra JSON-able facts to record. Not a collective.
+        See [Note: sharded reference] in :mod:`hf_zero._sharded`."""
+        token = _sharded.token_at(path)
+        if token is None:
+            raise ValueError(f"hf_zero: {os.fspath(path)!r} holds no committed sharded optimizer checkpoint")
+        self._sharded_ref = (self._state_token, {"path": os.path.abspath(path), "token": token, **info})
+
+    def load_pending_sharded(self, candidates: list[str]) -> str | None:
+        """Load the sharded checkpoint a loaded reference points to, from the first of
+        ``candidates`` (directories), then the path recorded at save time, that holds
+        it; return that directory (None when nothing is pending). Collective; raises,
+        on every rank, naming the directories looked in when no rank-wide agreed one
+        holds it."""
+        ref = self._pending_ref
+        if self._comm.world_size == 1 and ref is None:
+            return None
+        looked = list(dict.fromkeys([os.path.abspath(c) for c in candidates] + ([ref["path"]] if ref else [])))
+        found = None if ref is None else next((c for c in looked if _sharded.token_at(c) == ref["token"]), None)
+        everyone = self._comm.all_gather_object((ref is not None, found))
+        if not any(pending for pending, _ in everyone):
+            return None
+        if any(f is None for _, f in everyone) or len({f for _, f in everyone}) > 1:
+            per_rank = "; ".join(f"rank {r}: {f or 'none'}" for r, (_, f) in enumerate(everyone))
+            raise RuntimeError(
+                f"hf_zero: cannot find the sharded optimizer checkpoint the loaded state dict refers to "
+                f"(token {ref['token'] if ref else '?'}, saved in {ref['path'] if ref else '?'!r}); looked in "
+                f"{looked} (found: {per_rank}). Every rank must see that directory; load it with "
+                "optimizer.load_sharded(DIR) on all ranks."
+            )
+        self.load_sharded(found)
+        return found
+
+    def _check_pending(self) -> None:
+        """Raise if a loaded reference was never resolved: its state would be lost silently."""
+        ref = self._pending_ref
+        if ref is not None:
+            raise RuntimeError(
+                f"hf_zero: load_state_dict() was given a reference to the sharded optimizer checkpoint saved in "
+                f"{ref['path']!r} (token {ref['token']}), which was not loaded yet: call "
+                "optimizer.load_sharded(DIR) on all ranks with that checkpoint's directory first "
+                "(ZeroBucketCallback and prepare_accelerator do it when resuming)"
+            )

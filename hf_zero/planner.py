@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .layout import ParamSpec, _torch_greedy, max_over_mean, plan_layout, torch_zero_loads
+from .layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
 
 SCHEMA = "hf_zero.plan/1"
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
@@ -58,6 +58,20 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# --task: the transformers Auto class that builds the model with that head
+TASKS: dict[str, str] = {
+    "base": "AutoModel",
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "question-answering": "AutoModelForQuestionAnswering",
+    "multiple-choice": "AutoModelForMultipleChoice",
+}
+_LABELLED = ("sequence-classification", "token-classification")  # the tasks --num-labels applies to
+
+
 @dataclass(frozen=True)
 class NamedParam:
     """One parameter of a meta-device model, as the planner sees it."""
@@ -74,38 +88,79 @@ class NamedParam:
         return n
 
 
-def load_model_params(model: str) -> tuple[list[NamedParam], int]:
-    """The params (tied weights once) and buffer count of ``model``, built on the meta device.
+def load_model_params(
+    model: str, *, task: str = "auto", num_labels: int | None = None
+) -> tuple[list[NamedParam], int, str]:
+    """The params (tied weights once), buffer count and class name of ``model``, built on the meta device.
 
     ``model`` is a preset name (see :data:`PRESETS`), a ``config.json`` file or a
-    folder holding one.
+    folder holding one. ``task`` picks the head: one of :data:`TASKS` (e.g.
+    ``"sequence-classification"`` builds ``AutoModelForSequenceClassification``), or
+    ``"auto"``: the first class of the config's ``architectures`` that transformers
+    has, else a causal LM where the model type has one, else the bare model.
+    ``num_labels`` sets the classifier's width for the tasks in :data:`_LABELLED`
+    (default: the config's ``num_labels``).
     """
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, CONFIG_MAPPING
+    if task != "auto" and task not in TASKS:
+        raise ValueError(f"task: {task!r} is not a valid task; choose one of {['auto', *TASKS]}")
+    if num_labels is not None:
+        if task not in _LABELLED:
+            raise ValueError(f"num_labels: --num-labels applies only to --task {' or --task '.join(_LABELLED)} "
+                             f"(got --task {task})")
+        if num_labels < 1:
+            raise ValueError(f"num_labels: --num-labels must be >= 1, got {num_labels}")
+    config = _load_config(model)
+    if num_labels is not None:
+        config.num_labels = num_labels
+    with torch.device("meta"):
+        module = _build(config, task)
+    params = [NamedParam(n, tuple(p.shape), True) for n, p in module.named_parameters()]
+    return params, sum(1 for _ in module.buffers()), type(module).__name__
+
+
+def _load_config(model: str):
+    from transformers import AutoConfig, CONFIG_MAPPING
 
     key = model.lower()
     if key in PRESETS:
         kwargs = dict(PRESETS[key])
-        config = CONFIG_MAPPING[kwargs.pop("model_type")](**kwargs)
-    elif os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
-        config = AutoConfig.from_pretrained(model, local_files_only=True)
-    elif os.path.isfile(model):
+        return CONFIG_MAPPING[kwargs.pop("model_type")](**kwargs)
+    if os.path.isdir(model) and os.path.isfile(os.path.join(model, "config.json")):
+        return AutoConfig.from_pretrained(model, local_files_only=True)
+    if os.path.isfile(model):
         with open(model) as f:
             kwargs = json.load(f)
         if "model_type" not in kwargs:
             raise ValueError(f"model: {model} has no 'model_type' field, so no config class can be chosen")
-        config = CONFIG_MAPPING[kwargs.pop("model_type")](**kwargs)
-    else:
-        raise ValueError(
-            f"model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json "
-            "file nor a folder holding one"
-        )
-    with torch.device("meta"):
+        return CONFIG_MAPPING[kwargs.pop("model_type")](**kwargs)
+    raise ValueError(
+        f"model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json "
+        "file nor a folder holding one"
+    )
+
+
+def _build(config, task: str) -> torch.nn.Module:
+    import transformers
+
+    if task == "auto":
+        for name in getattr(config, "architectures", None) or ():
+            try:
+                cls = getattr(transformers, name)
+            except (AttributeError, ImportError):  # remote code, or a class this version lacks
+                continue
+            if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+                return cls(config)
         try:
-            module = AutoModelForCausalLM.from_config(config)
+            return transformers.AutoModelForCausalLM.from_config(config)
         except ValueError:  # not a causal LM: the bare model
-            module = AutoModel.from_config(config)
-    params = [NamedParam(n, tuple(p.shape), True) for n, p in module.named_parameters()]
-    return params, sum(1 for _ in module.buffers())
+            return transformers.AutoModel.from_config(config)
+    try:
+        return getattr(transformers, TASKS[task]).from_config(config)
+    except ValueError:
+        raise ValueError(
+            f"task: transformers {transformers.__version__} has no {task} model for model_type "
+            f"{config.model_type!r} (--task {task}); choose another of {['auto', *TASKS]}"
+        ) from None
 
 
 def select_trainable(params: Sequence[NamedParam], patterns: Sequence[str] | None) -> list[NamedParam]:
@@ -152,6 +207,7 @@ def plan(
     dtype: torch.dtype = torch.float32,
     backend: str = "nccl",
     model_name: str = "",
+    architecture: str = "",
     buffer_count: int = 0,
 ) -> dict:
     """The plan report (the ``--json`` document) for ``params`` on ``world_size`` ranks."""
@@ -176,6 +232,7 @@ def plan(
         "schema": SCHEMA,
         "model": {
             "name": model_name,
+            "architecture": architecture,
             "params": total,
             "param_tensors": len(params),
             "trainable_params": train_numel,
@@ -244,7 +301,7 @@ def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend
 
 def _torch_plan(params, specs, world_size, optimizer, itemsize) -> dict:
     elements = torch_zero_loads(specs, world_size=world_size)
-    owner = _torch_greedy(specs, world_size)
+    owner = torch_zero_owners(specs, world_size)
     state = [0] * world_size
     for i, p in enumerate(params):
         if p.trainable:
@@ -269,7 +326,7 @@ def format_report(report: dict) -> str:
     m, ws = report["model"], report["world_size"]
     gib = 1024**3
     lines = [
-        f"model {m['name']}: {m['params']:,} params in {m['param_tensors']} tensors, "
+        f"model {m['name']}{f' ({arch})' if (arch := m.get('architecture')) else ''}: {m['params']:,} params in {m['param_tensors']} tensors, "
         f"{m['trainable_params']:,} trainable in {m['trainable_tensors']} ({m['dtype']})",
         f"world size {ws}, optimizer {report['optimizer']}, backend {report['backend']}",
         f"every rank: params {report['per_rank_common']['param_bytes'] / gib:.3f} GiB, "
@@ -335,6 +392,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks")
     parser.add_argument("--trainable", nargs="+", metavar="REGEX",
                         help="params whose name matches any REGEX are trainable (default: all)")
+    parser.add_argument("--task", choices=("auto", *TASKS), default="auto",
+                        help="which head to build: auto (default) takes the config's architectures, else a "
+                        "causal LM, else the bare model")
+    parser.add_argument("--num-labels", type=int, metavar="N",
+                        help=f"classifier width for --task {' / '.join(_LABELLED)} (default: the config's)")
     parser.add_argument("--shard", choices=("flat", "param"),
                         help="plan only this hf_zero mode (default: both that apply)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
@@ -355,11 +417,19 @@ def run(args) -> dict:
         shards = (args.shard,)
     else:
         shards = ("flat", "param") if args.optimizer in _ELEMENTWISE else ("param",)
-    params, n_buffers = load_model_params(args.model)
-    params = select_trainable(params, args.trainable)
+    params, n_buffers, architecture = load_model_params(args.model, task=args.task, num_labels=args.num_labels)
+    try:
+        params = select_trainable(params, args.trainable)
+    except ValueError as e:
+        if args.task != "auto" or not args.trainable:
+            raise
+        raise ValueError(
+            f"{e} in {architecture}; to plan a head the config does not list, name the task with "
+            f"--task (one of {', '.join(TASKS)})"
+        ) from None
     report = plan(params, world_size=args.world_size, optimizer=args.optimizer, shards=shards,
                   dtype=DTYPES[args.dtype], backend=args.backend, model_name=args.model,
-                  buffer_count=n_buffers)
+                  architecture=architecture, buffer_count=n_buffers)
     if args.plot:
         plot_report(report, args.plot)
     print(json.dumps(report, indent=2) if args.json else format_report(report))

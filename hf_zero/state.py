@@ -20,9 +20,10 @@ each element sent once, straight from its holder to its new holder.
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
@@ -40,14 +41,69 @@ class Holding:
 Holdings = dict[int, list[Holding]]  # param index -> holdings, sorted by start
 
 
-def _kind(value: Any, shape: tuple[int, ...]) -> tuple:
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0:
-            return ("t", value.item(), str(value.dtype), value.device.type == "cpu")
-        if tuple(value.shape) == tuple(shape):
-            return ("e", str(value.dtype))
-        return ("b", str(value.dtype), tuple(value.shape))
-    return ("v", value)
+class Kind(enum.Enum):
+    """How a state value splits across pieces (see [Note: piece state])."""
+
+    ELEMENTWISE = "elementwise"  # a tensor of the stepped tensor's shape: sliced by element
+    SCALAR = "scalar"  # a 0-dim tensor: every piece carries the same one
+    BLOB = "whole"  # a tensor of another shape: moves only whole, with a whole-param piece
+    PLAIN = "plain"  # not a tensor: every piece carries the same one
+
+
+def kind_of(value: Any, shape) -> Kind:
+    """The kind of state ``value`` of a tensor stepped as ``shape``."""
+    if not isinstance(value, torch.Tensor):
+        return Kind.PLAIN
+    if value.dim() == 0:
+        return Kind.SCALAR
+    return Kind.ELEMENTWISE if tuple(value.shape) == tuple(shape) else Kind.BLOB
+
+
+def unsplittable(key: str, label: str, shape, param_shape=None) -> ValueError:
+    """The error for state that cannot be split across ranks."""
+    theirs = "the param's" if param_shape is None else f"the param's {tuple(param_shape)}"
+    return ValueError(
+        f"hf_zero: state {key!r} of param {label} has shape {tuple(shape)}, not {theirs}: it cannot be "
+        "split across ranks (use shard='param')"
+    )
+
+
+class _Meta(NamedTuple):
+    """A state value as metadata: a tensor's dtype (and a blob's shape), or a scalar's value."""
+
+    kind: Kind
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None  # blobs
+    value: Any = None  # scalars and plain values
+    on_cpu: bool = False  # scalars
+
+
+def _meta(value: Any, shape) -> _Meta:
+    kind = kind_of(value, shape)
+    if kind is Kind.PLAIN:
+        return _Meta(kind, value=value)
+    if kind is Kind.SCALAR:
+        return _Meta(kind, str(value.dtype), value=value.item(), on_cpu=value.device.type == "cpu")
+    return _Meta(kind, str(value.dtype), tuple(value.shape) if kind is Kind.BLOB else None)
+
+
+class _Transfer(NamedTuple):
+    """Elements ``lo:hi`` of state ``key`` of param ``index``, from rank ``src`` to rank
+    ``dst``, into the target that starts at element ``target_start`` (a blob: whole)."""
+
+    src: int
+    dst: int
+    index: int
+    key: str
+    lo: int
+    hi: int
+    dtype: str
+    blob_shape: tuple[int, ...] | None
+    target_start: int
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo if self.blob_shape is None else math.prod(self.blob_shape)
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -61,7 +117,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 def describe(held: Holdings) -> dict:
     """Picklable metadata of ``held``: ranges and per-key kinds (scalars by value)."""
     return {
-        i: [(h.start, h.stop, {k: _kind(v, h.shape) for k, v in h.state.items()}) for h in hs]
+        i: [(h.start, h.stop, {k: _meta(v, h.shape) for k, v in h.state.items()}) for h in hs]
         for i, hs in held.items()
     }
 
@@ -100,8 +156,7 @@ def redistribute(
                 sources.setdefault(i, []).append((start, stop, src, kinds))
     if callable(targets):
         targets = targets(set(sources))
-    # transfers: (src, dst, index, key, lo, hi, dtype, blob shape or None, target start), in one global order
-    transfers = []
+    transfers: list[_Transfer] = []  # in one global order
     plan: dict[tuple[int, int, int], list] = {}  # (index, dst, start) -> [(src, lo, hi, kinds)]
     for i in sorted(targets):
         if i not in sources:
@@ -119,16 +174,13 @@ def redistribute(
             whole = ts == 0 and te == numels[i]
             for src, lo, hi, kinds in parts:
                 for key in sorted(kinds):
-                    kind = kinds[key]
-                    if kind[0] == "e":
-                        transfers.append((src, dst, i, key, lo, hi, kind[1], None, ts))
-                    elif kind[0] == "b":
+                    meta = kinds[key]
+                    if meta.kind is Kind.ELEMENTWISE:
+                        transfers.append(_Transfer(src, dst, i, key, lo, hi, meta.dtype, None, ts))
+                    elif meta.kind is Kind.BLOB:
                         if not (whole and lo == 0 and hi == numels[i]):
-                            raise ValueError(
-                                f"hf_zero: state {key!r} of param {names(i)} has shape {kind[2]}, "
-                                "not the param's: it cannot be split across ranks (use shard='param')"
-                            )
-                        transfers.append((src, dst, i, key, lo, hi, kind[1], kind[2], ts))
+                            raise unsplittable(key, names(i), meta.shape)
+                        transfers.append(_Transfer(src, dst, i, key, lo, hi, meta.dtype, meta.shape, ts))
 
     # This rank's new state, allocated once: received elements are copied straight in,
     # so a receiver needs its new state once plus one round (see [Note: rounds]).
@@ -147,16 +199,16 @@ def redistribute(
         if own is not None:
             reused.add((i, ts))
         state: dict[str, Any] = {}
-        for key, kind in parts[0][3].items():
+        for key, meta in parts[0][3].items():
             if own is not None and key in own:
                 state[key] = own[key]
-            elif kind[0] == "e":
-                state[key] = torch.empty(shape, dtype=dtype_from_name(kind[1]), device=device)
-            elif kind[0] == "t":
-                _, value, dt, on_cpu = kind
-                state[key] = torch.tensor(value, dtype=dtype_from_name(dt), device="cpu" if on_cpu else device)
-            elif kind[0] == "v":
-                state[key] = kind[1]
+            elif meta.kind is Kind.ELEMENTWISE:
+                state[key] = torch.empty(shape, dtype=dtype_from_name(meta.dtype), device=device)
+            elif meta.kind is Kind.SCALAR:
+                state[key] = torch.tensor(meta.value, dtype=dtype_from_name(meta.dtype),
+                                          device="cpu" if meta.on_cpu else device)
+            elif meta.kind is Kind.PLAIN:
+                state[key] = meta.value
             else:
                 state[key] = None  # a blob, set on receipt (keeps the keys' order)
         dest[(i, ts)] = state
@@ -164,33 +216,32 @@ def redistribute(
 
     # Every rank must compute the same rounds: reused targets are skipped where they
     # would be copied, never dropped from ``transfers``.
-    for dtype_name in sorted({t[6] for t in transfers}):
+    for dtype_name in sorted({t.dtype for t in transfers}):
         dtype = dtype_from_name(dtype_name)
-        group = [t for t in transfers if t[6] == dtype_name]
+        group = [t for t in transfers if t.dtype == dtype_name]
         for batch in _rounds(group, max(1, _ROUND_BYTES // dtype.itemsize)):
             send: list[list[torch.Tensor]] = [[] for _ in range(comm.world_size)]
             recv_sizes = [0] * comm.world_size
-            for src, dst, i, key, lo, hi, _, shape, ts in batch:
-                n = hi - lo if shape is None else math.prod(shape)
-                if src == dst == me:  # stays here: no staging
-                    if (i, ts) in reused:
+            for t in batch:
+                if t.src == t.dst == me:  # stays here: no staging
+                    if (t.index, t.target_start) in reused:
                         continue
-                    _put(dest[(i, ts)], key, lo - ts, _segment(held[i], key, lo, hi, shape), shape, device_of(i))
-                elif src == me:
-                    send[dst].append(_segment(held[i], key, lo, hi, shape).to(comm.device))
-                elif dst == me:
-                    recv_sizes[src] += n
+                    _put(dest[(t.index, t.target_start)], t, _segment(held[t.index], t), device_of(t.index))
+                elif t.src == me:
+                    send[t.dst].append(_segment(held[t.index], t).to(comm.device))
+                elif t.dst == me:
+                    recv_sizes[t.src] += t.numel
             packed = [torch.cat(s) if s else torch.empty(0, dtype=dtype, device=comm.device) for s in send]
             del send
             chunks = comm.all_to_all(packed, recv_sizes, dtype=dtype, device=comm.device)
             del packed
             cursor = [0] * comm.world_size
-            for src, dst, i, key, lo, hi, _, shape, ts in batch:
-                if dst != me or src == me:
+            for t in batch:
+                if t.dst != me or t.src == me:
                     continue
-                n = hi - lo if shape is None else math.prod(shape)
-                _put(dest[(i, ts)], key, lo - ts, chunks[src][cursor[src] : cursor[src] + n], shape, device_of(i))
-                cursor[src] += n
+                received = chunks[t.src][cursor[t.src] : cursor[t.src] + t.numel]
+                _put(dest[(t.index, t.target_start)], t, received, device_of(t.index))
+                cursor[t.src] += t.numel
     return out
 
 
@@ -209,11 +260,12 @@ def _own_views(holdings, ts: int, te: int, shape: tuple, device) -> dict[str, to
         if h.start == ts and h.stop == te:
             out = {}
             for key, value in h.state.items():
-                if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                    continue  # scalars are rebuilt from metadata as usual
+                kind = kind_of(value, h.shape)
+                if kind in (Kind.SCALAR, Kind.PLAIN):
+                    continue  # rebuilt from metadata as usual
                 if value.device != torch.device(device):
                     return None
-                if tuple(value.shape) == tuple(h.shape):
+                if kind is Kind.ELEMENTWISE:
                     if not value.is_contiguous():
                         return None
                     value = value.view(shape)
@@ -222,11 +274,12 @@ def _own_views(holdings, ts: int, te: int, shape: tuple, device) -> dict[str, to
     return None
 
 
-def _put(state: dict, key: str, at: int, flat: torch.Tensor, blob_shape, device) -> None:
-    if blob_shape is None:
-        state[key].view(-1)[at : at + flat.numel()].copy_(flat)
+def _put(state: dict, t: _Transfer, flat: torch.Tensor, device) -> None:
+    if t.blob_shape is None:
+        at = t.lo - t.target_start
+        state[t.key].view(-1)[at : at + flat.numel()].copy_(flat)
     else:
-        state[key] = flat.view(blob_shape).to(device, copy=True)
+        state[t.key] = flat.view(t.blob_shape).to(device, copy=True)
 
 
 # [Note: rounds]
@@ -237,18 +290,17 @@ def _put(state: dict, key: str, at: int, flat: torch.Tensor, blob_shape, device)
 _ROUND_BYTES = 16 << 20
 
 
-def _rounds(transfers: list[tuple], budget: int) -> list[list[tuple]]:
+def _rounds(transfers: list[_Transfer], budget: int) -> list[list[_Transfer]]:
     """Split elementwise transfers to at most ``budget`` elements and group them into rounds
     of at most ``budget`` staged (cross-rank) elements."""
-    rounds: list[list[tuple]] = [[]]
+    rounds: list[list[_Transfer]] = [[]]
     size = 0
     for t in transfers:
-        src, dst, i, key, lo, hi, dt, shape, ts = t
-        pieces = [t] if shape is not None else [
-            (src, dst, i, key, a, min(a + budget, hi), dt, None, ts) for a in range(lo, hi, budget)
+        pieces = [t] if t.blob_shape is not None else [
+            t._replace(lo=a, hi=min(a + budget, t.hi)) for a in range(t.lo, t.hi, budget)
         ]
         for p in pieces:
-            n = 0 if src == dst else p[5] - p[4] if shape is None else math.prod(shape)  # local: no staging
+            n = 0 if p.src == p.dst else p.numel  # local: no staging
             if size + n > budget and rounds[-1]:
                 rounds.append([])
                 size = 0
@@ -257,31 +309,26 @@ def _rounds(transfers: list[tuple], budget: int) -> list[list[tuple]]:
     return [r for r in rounds if r]
 
 
-def _segment(holdings: list[Holding], key: str, lo: int, hi: int, blob_shape) -> torch.Tensor:
+def _segment(holdings: list[Holding], t: _Transfer) -> torch.Tensor:
     for h in holdings:
-        if h.start <= lo and hi <= h.stop:
-            value = h.state[key]
-            if blob_shape is not None:
-                return value.reshape(-1)
-            return value.reshape(-1)[lo - h.start : hi - h.start]
-    raise AssertionError(f"no holding covers {lo}:{hi}")
+        if h.start <= t.lo and t.hi <= h.stop:
+            value = h.state[t.key].reshape(-1)
+            return value if t.blob_shape is not None else value[t.lo - h.start : t.hi - h.start]
+    raise AssertionError(f"no holding covers {t.lo}:{t.hi}")
 
 
-def split_canonical(state: Mapping[str, Any], param_shape, start: int, stop: int, piece_shape) -> dict:
-    """The piece ``start:stop`` (stepped as a tensor of ``piece_shape``) of a whole-param state."""
+def split_canonical(state: Mapping[str, Any], param_shape, start: int, stop: int, piece_shape,
+                    label: str = "?") -> dict:
+    """The piece ``start:stop`` (stepped as a tensor of ``piece_shape``) of the whole-param
+    state of param ``label``."""
     whole = start == 0 and stop == math.prod(param_shape)
     out = {}
     for key, value in state.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            if tuple(value.shape) == tuple(param_shape):
-                out[key] = value.reshape(-1)[start:stop].reshape(piece_shape)
-            elif whole:
-                out[key] = value
-            else:
-                raise ValueError(
-                    f"state {key!r} has shape {tuple(value.shape)}, not the param's "
-                    f"{tuple(param_shape)}: it cannot be split across ranks (use shard='param')"
-                )
+        kind = kind_of(value, param_shape)
+        if kind is Kind.ELEMENTWISE:
+            out[key] = value.reshape(-1)[start:stop].reshape(piece_shape)
+        elif kind is Kind.BLOB and not whole:
+            raise unsplittable(key, label, value.shape, param_shape)
         else:
             out[key] = value
     return out
@@ -290,6 +337,6 @@ def split_canonical(state: Mapping[str, Any], param_shape, start: int, stop: int
 def shape_as(holding: Holding, shape) -> dict:
     """The holding's state with elementwise tensors viewed as ``shape``."""
     return {
-        k: v.view(shape) if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(holding.shape) else v
+        k: v.view(shape) if kind_of(v, holding.shape) is Kind.ELEMENTWISE else v
         for k, v in holding.state.items()
     }

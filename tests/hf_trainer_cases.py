@@ -7,9 +7,11 @@ run resumed at step k has the same trainable set as an uninterrupted one.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
+import transformers
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
 
 import hf_zero  # noqa: F401  (registers optim="zero_bucket")
@@ -68,7 +70,38 @@ class TrainabilitySchedule(TrainerCallback):
                     p.requires_grad_(flag)
 
 
-class CpuGradScalerTrainer(Trainer):
+# Differences of transformers before 5.2 (setup.cfg allows 4.57.1 on): no
+# train_sampling_strategy (the sampler is random); a resumed run keeps the per-device batch
+# size recorded in the checkpoint's trainer_state.json, whatever the args say; and before
+# 5.0, gradient checkpointing is reentrant by default, which DDP with
+# find_unused_parameters=True refuses ("marked as ready twice").
+TRANSFORMERS = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+BEFORE_5_2 = TRANSFORMERS < (5, 2)
+
+if not BEFORE_5_2:
+    IN_ORDER = {"train_sampling_strategy": "sequential"}
+    InOrderTrainer = Trainer
+else:
+    IN_ORDER = {}
+
+    class InOrderTrainer(Trainer):
+        """Reads the training set in order (transformers < 5.2 always samples at random)."""
+
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+def _restore_indexed_cpu(storage, location):
+    return storage if location.startswith("cpu:") else None
+
+
+# Trainer before 5.19 (5.14 still does) loads optimizer.pt with map_location=args.device,
+# which is "cpu:N" in a multi-process CPU run, and torch cannot restore "cpu:N": resuming
+# any optimizer fails there. Teach torch that location (public API; no-op where unused).
+torch.serialization.register_package(5, lambda obj: None, _restore_indexed_cpu)
+
+
+class CpuGradScalerTrainer(InOrderTrainer):
     """Accelerate makes no GradScaler on CPU (fp16 there is a no-op): give it torch's CPU
     one, so ``fp16=True`` runs the same scaler code path as on a GPU."""
 
@@ -139,10 +172,18 @@ def run_trainer(
             p.requires_grad_(False)
     if plain_module:
         model = PlainModule(model)
+    if overrides.get("gradient_checkpointing") and TRANSFORMERS < (5, 0):
+        overrides.setdefault("gradient_checkpointing_kwargs", {"use_reentrant": False})
     grad_acc = overrides.pop("gradient_accumulation_steps", 1)
+    per_device = GLOBAL_BATCH // world_size // grad_acc
+    if resume and BEFORE_5_2:
+        # Trainer keeps the checkpoint's per-device batch size: same global batch through accumulation.
+        with open(os.path.join(resume, "trainer_state.json")) as f:
+            per_device = json.load(f)["train_batch_size"]
+        grad_acc = GLOBAL_BATCH // world_size // per_device
     kwargs = dict(
         output_dir=output_dir,
-        per_device_train_batch_size=GLOBAL_BATCH // world_size // grad_acc,
+        per_device_train_batch_size=per_device,
         gradient_accumulation_steps=grad_acc,
         max_steps=7,
         learning_rate=1e-2,
@@ -150,7 +191,7 @@ def run_trainer(
         warmup_steps=2,
         max_grad_norm=0.5,
         optim=optim,
-        train_sampling_strategy="sequential",
+        **IN_ORDER,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -171,7 +212,7 @@ def run_trainer(
         callbacks.insert(0, hf_zero.ZeroBucketCallback(sharded_checkpoints=sharded_checkpoints))
     if overflow:
         callbacks.append(OverflowOnRank1(*overflow))
-    trainer = (CpuGradScalerTrainer if overflow else Trainer)(
+    trainer = (CpuGradScalerTrainer if overflow else InOrderTrainer)(
         model=model,
         args=args,
         train_dataset=TokenDataset(),
@@ -200,3 +241,22 @@ def run_trainer_catching(rank, world_size, **kwargs):
 def run_many(rank, world_size, runs):
     """Several runs in one spawn: ``runs`` is a list of (function name, kwargs)."""
     return [globals()[fn](rank, world_size, **kw) for fn, kw in runs]
+
+
+def run_counting_agreements(rank, world_size, **kwargs):
+    """run_trainer, counting the optimizer's cross-rank agreement all-reduces."""
+    from hf_zero.comm import Comm
+
+    calls = []
+    agree = Comm.agree
+
+    def counting(self, *args, **kw):
+        calls.append(1)
+        return agree(self, *args, **kw)
+
+    Comm.agree = counting
+    try:
+        _, log, _ = run_trainer(rank, world_size, **kwargs)
+    finally:
+        Comm.agree = agree
+    return len(calls), max(e["step"] for e in log)

@@ -7,11 +7,15 @@ is a deterministic function of the step: the reference trains on the global batc
 a mean over equal shards, so DDP's averaged gradients equal the reference's.
 
 A :class:`Setup` names a model, an optimizer, a shard mode and a freeze schedule; it
-is picklable so a table of them can be sent to spawned ranks.
+is picklable so a table of them can be sent to spawned ranks. The checkpoint tests'
+net, schedule and assertions are at the end. This is the tests' one helper module
+(with ``_dist.py``, the process harness, and ``hf_trainer_cases.py``, the Trainer runs);
+test modules never import each other.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,3 +294,88 @@ def assert_replicas_identical(per_rank: list[list[torch.Tensor]]) -> None:
 
 def is_view_into(p: torch.Tensor, buffers: list[torch.Tensor]) -> bool:
     return any(p.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers)
+
+
+# -- checkpoint tests: one float64 net, a freeze schedule, three optimizer kinds ---------
+class CheckpointNet(nn.Module):
+    """Params of odd sizes (flat ranges straddle them) and a (1, 3) one (Adafactor factors it)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 3)
+        self.scale = nn.Parameter(torch.ones(1, 3))
+        self.double()
+
+    def forward(self, x):
+        return ((self.b(torch.tanh(self.a(x))) * self.scale) ** 2).mean()
+
+
+def checkpoint_batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 5, generator=torch.Generator().manual_seed(100 + step), dtype=torch.float64)
+
+
+def checkpoint_schedule(model: "CheckpointNet", step: int) -> None:
+    """a.weight is frozen for steps 3-5; b.bias from step 6 on."""
+    model.a.weight.requires_grad_(not 3 <= step < 6)
+    model.b.bias.requires_grad_(step < 6)
+
+
+def checkpoint_optimizer_class(kind: str):
+    if kind == "adamw":
+        return torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}
+    if kind == "sgd":
+        return torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9}
+    from transformers.optimization import Adafactor
+
+    return Adafactor, {"lr": 1e-2, "relative_step": False, "scale_parameter": False, "warmup_init": False}
+
+
+
+
+def checkpoint_train(model, opt, steps) -> None:
+    for s in steps:
+        checkpoint_schedule(model, s)
+        model(checkpoint_batch(s)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def checkpoint_zero(model, kind, shard, view):
+    from hf_zero import ZeroBucketOptimizer
+
+    cls, kw = checkpoint_optimizer_class(kind)
+    return ZeroBucketOptimizer(model.named_parameters(), cls, shard=shard, parameters_as_bucket_view=view, **kw)
+
+
+def consolidated_copy(opt) -> dict | None:
+    """A snapshot: state_dict() shares tensors with the live state (as torch's does)."""
+    opt.consolidate_state_dict(to=0, device="cpu")
+    return copy.deepcopy(opt.state_dict()) if opt.rank == 0 else None
+
+
+def param_copy(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_state_dicts_equal(actual: dict, expected: dict) -> None:
+    """Same param groups, same keys, bitwise equal tensors of the same dtype and shape."""
+    assert actual["param_groups"] == expected["param_groups"]
+    assert sorted(actual["state"]) == sorted(expected["state"])
+    for i, st in expected["state"].items():
+        assert sorted(actual["state"][i]) == sorted(st), i
+        for k, v in st.items():
+            got = actual["state"][i][k]
+            if isinstance(v, torch.Tensor):
+                assert got.dtype == v.dtype and got.shape == v.shape, (i, k)
+                assert torch.equal(got, v), (i, k)
+            else:
+                assert got == v, (i, k)
+
+
+def assert_param_dicts_equal(actual: dict, expected: dict) -> None:
+    for k, v in expected.items():
+        assert torch.equal(actual[k], v), k
+
+

@@ -1,5 +1,9 @@
 """Accelerate integration: prepare() with ZeroBucketOptimizer, accumulate/clip/backward,
 save_state/load_state with bucket views, and fp16 GradScaler overflow on every rank.
+
+The loops make no hf_zero call besides building the optimizer (the accelerator is wired
+when it prepares it, in either order with the model); the sharded-checkpoint test uses
+the explicit ``prepare_accelerator(..., sharded_checkpoints=True)``.
 """
 
 import os
@@ -46,7 +50,7 @@ def _accelerator(**kwargs):
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs
 
-    # Freezing a param DDP reduces needs find_unused_parameters=True (DESIGN §4).
+    # Freezing a param DDP reduces needs find_unused_parameters=True (docs/architecture.md, field facts).
     handlers = [DistributedDataParallelKwargs(find_unused_parameters=True)]
     return Accelerator(cpu=True, kwargs_handlers=handlers, **kwargs)
 
@@ -63,7 +67,9 @@ def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir, sharded
         model = accelerator.prepare(model)
         optimizer = hf_zero.ZeroBucketOptimizer(_groups(model.module), torch.optim.AdamW, lr=LR)
         optimizer, loader = accelerator.prepare(optimizer, loader)
-    hf_zero.prepare_accelerator(accelerator, sharded_checkpoints=sharded_checkpoints)
+    if sharded_checkpoints:
+        hf_zero.prepare_accelerator(accelerator, sharded_checkpoints=True)
+    # Otherwise no hf_zero call at all: preparing a ZeroBucketOptimizer wires the accelerator.
     batches = list(loader)
 
     def train(first_step, last_step):
@@ -133,7 +139,6 @@ def _fp16_overflow_run(rank, world_size, *, overflow_step):
     optimizer = hf_zero.ZeroBucketOptimizer(_groups(model), torch.optim.AdamW, lr=LR)
     loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=4, shuffle=False)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    hf_zero.prepare_accelerator(accelerator)
     target = model.module.bert.encoder.layer[1].output.dense.weight
     log = []
     for step, batch in enumerate(loader):
@@ -193,7 +198,6 @@ def _freeze_without_find_unused(rank, world_size):
     model = tiny_bert()
     optimizer = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
-    hf_zero.prepare_accelerator(accelerator)
     batch = next(iter(torch.utils.data.DataLoader(TokenDataset(), batch_size=PER_DEVICE)))
     accelerator.backward(model(**batch).loss)
     optimizer.step()
@@ -235,10 +239,10 @@ def test_prepare_accelerator_needs_a_prepared_zero_optimizer():
     with pytest.raises(ValueError, match=r"no ZeroBucketOptimizer .* call it after accelerator.prepare"):
         hf_zero.prepare_accelerator(accelerator)
 
+    # Refused when prepared, before any training: hf_zero wires every Accelerator by itself.
     accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(save_on_each_node=True))
-    accelerator.prepare(model, hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW))
     with pytest.raises(ValueError, match="save_on_each_node=True"):
-        hf_zero.prepare_accelerator(accelerator)
+        accelerator.prepare(model, hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW))
 
 
 def _sharded_save_state_run(rank, world_size, root):
@@ -249,7 +253,7 @@ def _sharded_save_state_run(rank, world_size, root):
 @pytest.mark.reliability("Accelerate save_state/load_state with prepare_accelerator(sharded_checkpoints=True), 2 ranks", "each rank writes its own state; optimizer.bin is a tiny reference; load_state then the same steps is exact")
 @pytest.mark.timeout(150)
 def test_sharded_save_state_load_state_round_trip_is_exact(tmp_path):
-    from hf_zero import checkpoint, reference
+    from hf_zero import _offline, _sharded
 
     r0, r1 = run_ranks(_sharded_save_state_run, 2, str(tmp_path), timeout=130)
     reference_params = _reference()
@@ -260,9 +264,9 @@ def test_sharded_save_state_load_state_round_trip_is_exact(tmp_path):
         assert torch.equal(r0["replayed"][n], r0["final"][n]), f"replay after load_state: {n}"
     saved = tmp_path / "sharded"
     shards = str(saved / "hf_zero_optimizer")
-    assert checkpoint.is_sharded_checkpoint(shards)
+    assert _sharded.is_sharded_checkpoint(shards)
     assert sum(name.endswith("-of-00002.safetensors") for name in os.listdir(shards)) == 2
     marker = torch.load(str(saved / "optimizer.bin"), weights_only=True)
-    assert marker["state"] == {} and marker[reference.KEY]["token"] == reference.token_at(shards)
+    assert marker["state"] == {} and marker[_sharded.REFERENCE_KEY]["token"] == _sharded.token_at(shards)
     assert os.path.getsize(saved / "optimizer.bin") < 2000
-    assert len(checkpoint.consolidate_checkpoint(shards)["state"]) == len(reference_params)
+    assert len(_offline.consolidate_checkpoint(shards)["state"]) == len(reference_params)

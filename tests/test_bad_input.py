@@ -23,36 +23,48 @@ def _non_leaf():
     return _model()[0].weight * 2
 
 
-CASES = [
-    # (what, make params, extra kwargs, exception, words the message must hold)
-    ("empty params", lambda m: [], {}, ValueError, "empty parameter list"),
+# (what, make params, extra kwargs, exception, words the message must hold)
+CASES = [  # checks hf_zero adds to torch.optim's
     ("an empty param group", lambda m: [{"params": []}], {}, ValueError, "empty"),
-    ("a non-tensor", lambda m: [1.0], {}, TypeError, "can only optimize Tensors"),
     ("a sparse param", lambda m: [_sparse()], {}, ValueError, "sparse_coo"),
     ("an integer param", lambda m: [torch.zeros(3, dtype=torch.int64)], {}, ValueError, "dtype torch.int64"),
-    ("a non-leaf tensor", lambda m: [_non_leaf()], {}, ValueError, "non-leaf"),
     ("a param listed twice in a group", lambda m: [m[0].weight, m[0].weight], {}, ValueError, "duplicate"),
-    ("a param in two groups", lambda m: [{"params": [m[0].weight]}, {"params": [m[0].weight]}], {}, ValueError,
-     "more than one parameter group"),
     ("shard='flat' with a non-elementwise optimizer", lambda m: m.parameters(), {"optimizer_class": torch.optim.LBFGS,
      "shard": "flat"}, ValueError, "shard='flat'"),
     ("an unknown shard mode", lambda m: m.parameters(), {"shard": "rows"}, ValueError, "shard must be"),
     ("an optimizer_class that is not an optimizer", lambda m: m.parameters(), {"optimizer_class": dict}, TypeError,
      "optimizer_class"),
+    ("overlap_with_ddp=True", lambda m: m.parameters(), {"overlap_with_ddp": True}, ValueError, "overlap_with_ddp=False"),
+]
+TORCH_CASES = [  # torch.optim's own checks, which must still apply before anything changes
+    ("empty params", lambda m: [], {}, ValueError, "empty parameter list"),
+    ("a non-tensor", lambda m: [1.0], {}, TypeError, "can only optimize Tensors"),
+    ("a non-leaf tensor", lambda m: [_non_leaf()], {}, ValueError, "non-leaf"),
+    ("a param in two groups", lambda m: [{"params": [m[0].weight]}, {"params": [m[0].weight]}], {}, ValueError,
+     "more than one parameter group"),
     ("a hyperparameter the optimizer rejects", lambda m: m.parameters(), {"lr": -1.0}, ValueError, "learning rate"),
     ("an unknown hyperparameter", lambda m: m.parameters(), {"betas3": 1}, TypeError, "betas3"),
 ]
 
 
-@pytest.mark.reliability("Bad input: {what}", "`{exc.__name__}` naming it (\"{words}\"), params unchanged")
-@pytest.mark.parametrize("what,params,kwargs,exc,words", CASES, ids=[c[0] for c in CASES])
-def test_constructor_rejects(what, params, kwargs, exc, words):
+def _rejects(params, kwargs, exc, words):
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
     kwargs = {"optimizer_class": AdamW, **kwargs}
     with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)")):
         hf_zero.ZeroBucketOptimizer(params(model), **kwargs)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.reliability("Bad input: {what}", "`{exc.__name__}` naming it (\"{words}\"), params unchanged")
+@pytest.mark.parametrize("what,params,kwargs,exc,words", CASES, ids=[c[0] for c in CASES])
+def test_constructor_rejects(what, params, kwargs, exc, words):
+    _rejects(params, kwargs, exc, words)
+
+
+@pytest.mark.parametrize("what,params,kwargs,exc,words", TORCH_CASES, ids=[c[0] for c in TORCH_CASES])
+def test_torch_checks_still_apply(what, params, kwargs, exc, words):
+    _rejects(params, kwargs, exc, words)
 
 
 @pytest.mark.reliability("Bad input: a named param listed twice", "`ValueError` before anything changes")

@@ -23,45 +23,21 @@ import torch
 import torch.nn as nn
 
 from hf_zero import ZeroBucketOptimizer
-from hf_zero import checkpoint as ckpt
+from hf_zero import _offline, _sharded as ckpt
 from tests._dist import run_ranks
+from tests.models import (
+    CheckpointNet,
+    assert_param_dicts_equal,
+    assert_state_dicts_equal,
+    checkpoint_optimizer_class,
+    checkpoint_schedule,
+    checkpoint_train,
+    checkpoint_zero,
+    consolidated_copy,
+    param_copy,
+)
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class Net(nn.Module):
-    """Params of odd sizes (flat ranges straddle them) and a (1, 3) one (Adafactor factors it)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(5, 7)
-        self.b = nn.Linear(7, 3)
-        self.scale = nn.Parameter(torch.ones(1, 3))
-        self.double()
-
-    def forward(self, x):
-        return ((self.b(torch.tanh(self.a(x))) * self.scale) ** 2).mean()
-
-
-def _batch(step: int) -> torch.Tensor:
-    return torch.randn(8, 5, generator=torch.Generator().manual_seed(100 + step), dtype=torch.float64)
-
-
-def _schedule(model: Net, step: int) -> None:
-    """a.weight is frozen for steps 3-5; b.bias from step 6 on."""
-    model.a.weight.requires_grad_(not 3 <= step < 6)
-    model.b.bias.requires_grad_(step < 6)
-
-
-def _optimizer_class(kind: str):
-    if kind == "adamw":
-        return torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}
-    if kind == "sgd":
-        return torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9}
-    from transformers.optimization import Adafactor
-
-    return Adafactor, {"lr": 1e-2, "relative_step": False, "scale_parameter": False, "warmup_init": False}
 
 
 # (world size, shard, parameters_as_bucket_view) of each stage, per optimizer
@@ -71,29 +47,6 @@ STAGES = {
     "adafactor": [(1, "param", True), (2, "param", False), (3, "param", True), (1, "param", False)],
 }
 STEPS = [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
-
-
-def _train(model, opt, steps) -> None:
-    for s in steps:
-        _schedule(model, s)
-        model(_batch(s)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-
-def _zero(model, kind, shard, view) -> ZeroBucketOptimizer:
-    cls, kw = _optimizer_class(kind)
-    return ZeroBucketOptimizer(model.named_parameters(), cls, shard=shard, parameters_as_bucket_view=view, **kw)
-
-
-def _consolidated(opt) -> dict | None:
-    """A snapshot: state_dict() shares tensors with the live state (as torch's does)."""
-    opt.consolidate_state_dict(to=0, device="cpu")
-    return copy.deepcopy(opt.state_dict()) if opt._comm.rank == 0 else None
-
-
-def _params(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _stage(rank, world_size, stage, directory, params, previous):
@@ -112,23 +65,23 @@ def _stage_kinds(stage, directory, params, previous):
     for kind, configs in STAGES.items():
         _, shard, view = configs[stage]
         steps = STEPS[stage]
-        model = Net()
+        model = CheckpointNet()
         model.load_state_dict(params[kind])
-        opt = _zero(model, kind, shard, view)
-        _schedule(model, steps.start)  # load into the trainable set of the next step
+        opt = checkpoint_zero(model, kind, shard, view)
+        checkpoint_schedule(model, steps.start)  # load into the trainable set of the next step
         loaded = loaded_full = None
         kept = 0
         if stage > 0:
             opt.load_sharded(os.path.join(directory, f"{kind}-{stage - 1}"))
-            loaded = _consolidated(opt)
-            other = _zero(Net(), kind, shard, view)
+            loaded = consolidated_copy(opt)
+            other = checkpoint_zero(CheckpointNet(), kind, shard, view)
             other.load_state_dict(previous[kind])  # a CPU dict: each rank copies only its pieces
             kept = _state_elements({i: [h.state for h in hs] for i, hs in other._parked.items()})
-            loaded_full = _consolidated(other)
-        _train(model, opt, steps)
+            loaded_full = consolidated_copy(other)
+        checkpoint_train(model, opt, steps)
         opt.save_sharded(os.path.join(directory, f"{kind}-{stage}"))
         out[kind] = {
-            "loaded": loaded, "loaded_full": loaded_full, "kept": kept, "saved": _consolidated(opt), "params": _params(model)
+            "loaded": loaded, "loaded_full": loaded_full, "kept": kept, "saved": consolidated_copy(opt), "params": param_copy(model)
         }
     return out
 
@@ -142,40 +95,20 @@ def _state_elements(state: dict) -> int:
 
 def _reference(kind) -> list[tuple[dict, dict]]:
     """(params, state_dict) of the plain optimizer after each stage."""
-    model = Net()
-    cls, kw = _optimizer_class(kind)
+    model = CheckpointNet()
+    cls, kw = checkpoint_optimizer_class(kind)
     opt = cls(model.named_parameters(), **kw)
     out = []
     for steps in STEPS:
-        _train(model, opt, steps)
-        out.append((_params(model), copy.deepcopy(opt.state_dict())))
+        checkpoint_train(model, opt, steps)
+        out.append((param_copy(model), copy.deepcopy(opt.state_dict())))
     return out
-
-
-def assert_state_equal(actual: dict, expected: dict) -> None:
-    """Same param groups, same keys, bitwise equal tensors of the same dtype and shape."""
-    assert actual["param_groups"] == expected["param_groups"]
-    assert sorted(actual["state"]) == sorted(expected["state"])
-    for i, st in expected["state"].items():
-        assert sorted(actual["state"][i]) == sorted(st), i
-        for k, v in st.items():
-            got = actual["state"][i][k]
-            if isinstance(v, torch.Tensor):
-                assert got.dtype == v.dtype and got.shape == v.shape, (i, k)
-                assert torch.equal(got, v), (i, k)
-            else:
-                assert got == v, (i, k)
-
-
-def assert_params_equal(actual: dict, expected: dict) -> None:
-    for k, v in expected.items():
-        assert torch.equal(actual[k], v), k
 
 
 @pytest.mark.timeout(150)
 def test_round_trips_across_world_sizes_modes_views_and_trainability(tmp_path):
     refs = {kind: _reference(kind) for kind in STAGES}
-    params = {kind: _params(Net()) for kind in STAGES}
+    params = {kind: param_copy(CheckpointNet()) for kind in STAGES}
     previous = None
     for stage in range(len(STEPS)):
         world_size = STAGES["adamw"][stage][0]
@@ -187,13 +120,13 @@ def test_round_trips_across_world_sizes_modes_views_and_trainability(tmp_path):
         for kind in STAGES:
             r = got[kind]
             if stage > 0:
-                assert_state_equal(r["loaded"], previous[kind])  # nothing lost, exactly
-                assert_state_equal(r["loaded_full"], previous[kind])
+                assert_state_dicts_equal(r["loaded"], previous[kind])  # nothing lost, exactly
+                assert_state_dicts_equal(r["loaded_full"], previous[kind])
                 full = _state_elements({i: [st] for i, st in previous[kind]["state"].items()})
                 assert sum(other[kind]["kept"] for other in results) == full  # no rank copied another's
             ref_params, ref_state = refs[kind][stage]
-            assert_state_equal(r["saved"], ref_state)  # the math is elementwise: bitwise equal
-            assert_params_equal(r["params"], ref_params)
+            assert_state_dicts_equal(r["saved"], ref_state)  # the math is elementwise: bitwise equal
+            assert_param_dicts_equal(r["params"], ref_params)
             for other in results[1:]:  # replicas agree
                 for k, v in r["params"].items():
                     assert torch.equal(other[kind]["params"][k], v)
@@ -218,14 +151,14 @@ def _accelerate_round_trip(rank, world_size):
     from accelerate.optimizer import AcceleratedOptimizer
 
     Accelerator(cpu=True)
-    model = Net()
-    opt = _zero(model, "adamw", "flat", True)
+    model = CheckpointNet()
+    opt = checkpoint_zero(model, "adamw", "flat", True)
     AcceleratedOptimizer(opt)  # step 0: no state anywhere
-    _train(model, opt, range(0, 2))
-    before = _consolidated(opt)
+    checkpoint_train(model, opt, range(0, 2))
+    before = consolidated_copy(opt)
     wrapped = AcceleratedOptimizer(opt)  # mid-training, nothing consolidated
-    after = _consolidated(opt)
-    _train(model, wrapped, range(2, 4))
+    after = consolidated_copy(opt)
+    checkpoint_train(model, wrapped, range(2, 4))
 
     sharded = opt.state_dict()
     errors = []
@@ -234,7 +167,7 @@ def _accelerate_round_trip(rank, world_size):
             attempt()
         except RuntimeError as e:
             errors.append(str(e))
-    _train(model, opt, range(4, 5))
+    checkpoint_train(model, opt, range(4, 5))
     try:
         opt.load_state_dict(sharded)  # taken before the last step: stale
     except ValueError as e:
@@ -242,9 +175,9 @@ def _accelerate_round_trip(rank, world_size):
     opt.consolidate_state_dict(to=1)
     if rank == 1:  # as Trainer does on its main rank: no collective inside
         assert len(opt.state_dict()["state"]) == 5
-    _train(model, opt, range(5, 6))
-    final = _consolidated(opt)
-    return before, after, errors, final, _params(model)
+    checkpoint_train(model, opt, range(5, 6))
+    final = consolidated_copy(opt)
+    return before, after, errors, final, param_copy(model)
 
 
 @pytest.mark.reliability("Accelerate prepare() mid-training: state_dict()/load_state_dict() on every rank, nothing consolidated", "state kept; training continues bitwise equal to the reference")
@@ -252,14 +185,14 @@ def _accelerate_round_trip(rank, world_size):
 def test_accelerate_init_round_trip_at_step_0_and_mid_training():
     results = run_ranks(_accelerate_round_trip, 2, timeout=80)
     before, after, errors, final, params = results[0]
-    assert_state_equal(after, before)
+    assert_state_dicts_equal(after, before)
     assert len(errors) == 4 and all("consolidate_state_dict" in e for e in errors), errors
-    model = Net()
-    cls, kw = _optimizer_class("adamw")
+    model = CheckpointNet()
+    cls, kw = checkpoint_optimizer_class("adamw")
     ref = cls(model.named_parameters(), **kw)
-    _train(model, ref, range(0, 6))
-    assert_state_equal(final, ref.state_dict())
-    assert_params_equal(params, _params(model))
+    checkpoint_train(model, ref, range(0, 6))
+    assert_state_dicts_equal(final, ref.state_dict())
+    assert_param_dicts_equal(params, param_copy(model))
     for _, _, errs, _, p in results[1:]:
         assert len(errs) == 4
         for k, v in p.items():
@@ -268,9 +201,9 @@ def test_accelerate_init_round_trip_at_step_0_and_mid_training():
 
 # -- single process ------------------------------------------------------------------------
 def _trained(kind="adamw", steps=range(0, 2), **kw):
-    model = Net()
-    opt = _zero(model, kind, kw.get("shard", "auto"), kw.get("view", True))
-    _train(model, opt, steps)
+    model = CheckpointNet()
+    opt = checkpoint_zero(model, kind, kw.get("shard", "auto"), kw.get("view", True))
+    checkpoint_train(model, opt, steps)
     return model, opt
 
 
@@ -278,7 +211,7 @@ def test_state_dict_is_never_a_collective_and_complete_on_one_rank():
     model, opt = _trained()
     sd = opt.state_dict()
     assert isinstance(sd["state"], dict) and len(sd["state"]) == 5
-    fresh = _zero(Net(), "adamw", "flat", True)
+    fresh = checkpoint_zero(CheckpointNet(), "adamw", "flat", True)
     assert fresh.state_dict()["state"] == {}
 
 
@@ -305,7 +238,7 @@ def test_load_state_dict_of_another_model_or_optimizer_raises_and_changes_nothin
     assert "nothing was loaded" in msg and "'b.weight'" in msg and "'c.weight'" in msg and "shape" in msg
     assert other.state_dict() == other_before
 
-    sgd = ZeroBucketOptimizer(Net().named_parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    sgd = ZeroBucketOptimizer(CheckpointNet().named_parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
     with pytest.raises(ValueError, match="another optimizer class"):
         sgd.load_state_dict(sd)
 
@@ -322,26 +255,25 @@ def test_load_state_dict_of_another_model_or_optimizer_raises_and_changes_nothin
     # a failed load left the trained optimizer's state as it was
     with pytest.raises(ValueError):
         opt.load_state_dict({"state": sd["state"], "param_groups": sd["param_groups"][:0]})
-    assert_state_equal(opt.state_dict(), before)
+    assert_state_dicts_equal(opt.state_dict(), before)
 
 
 def test_unnamed_params_match_by_position_and_shape(tmp_path):
     model, opt = _trained()
     opt.save_sharded(tmp_path / "ck")
-    plain = ZeroBucketOptimizer(list(Net().parameters()), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    plain = ZeroBucketOptimizer(list(CheckpointNet().parameters()), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     plain.load_sharded(tmp_path / "ck")  # checkpoint has names, this optimizer none: by index
-    assert_state_equal(plain.state_dict(), opt.state_dict())
+    assert_state_dicts_equal(plain.state_dict(), opt.state_dict())
     swapped = nn.ParameterList([nn.Parameter(torch.zeros(7, 5, dtype=torch.float64)) for _ in range(5)])
     bad = ZeroBucketOptimizer(list(swapped), torch.optim.AdamW, lr=1e-2)
     with pytest.raises(ValueError, match=r"#2 .*shape \(7,\) in the checkpoint"):
         bad.load_sharded(tmp_path / "ck")
 
 
-def test_set_param_names_keys_checkpoints_by_model_names(tmp_path):
-    model = Net()
-    opt = ZeroBucketOptimizer(list(model.parameters()), torch.optim.AdamW, lr=1e-2)
-    opt._set_param_names(model.named_parameters())
-    _train(model, opt, range(2))
+def test_named_params_key_checkpoints_by_model_names(tmp_path):
+    model = CheckpointNet()
+    opt = ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-2)
+    checkpoint_train(model, opt, range(2))
     opt.save_sharded(tmp_path / "ck")
     record = json.loads((tmp_path / "ck" / ckpt.COMMIT_FILE).read_text())
     assert [p["name"] for p in record["params"]] == [n for n, _ in model.named_parameters()]
@@ -350,32 +282,32 @@ def test_set_param_names_keys_checkpoints_by_model_names(tmp_path):
 def test_loaded_step_stays_where_fused_adamw_needs_it_and_cpu_dicts_load():
     model, opt = _trained()
     sd = opt.state_dict()
-    fused = ZeroBucketOptimizer(Net().named_parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
+    fused = ZeroBucketOptimizer(CheckpointNet().named_parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
     sd_fused = {"state": sd["state"], "param_groups": [dict(g, fused=True) for g in sd["param_groups"]]}
     fused.load_state_dict(sd_fused)
     for hs in fused._parked.values():
         for h in hs:
             assert h.state["step"].dtype == torch.float32 and h.state["step"].device == h.state["exp_avg"].device
-    m2 = Net()
+    m2 = CheckpointNet()
     m2.load_state_dict(model.state_dict())
     fused2 = ZeroBucketOptimizer(m2.named_parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
     fused2.load_state_dict(sd_fused)
-    _train(m2, fused2, range(2, 3))
-    _train(model, opt, range(2, 3))
-    for k, v in _params(model).items():  # fused kernels round differently
-        torch.testing.assert_close(_params(m2)[k], v, rtol=1e-12, atol=1e-14)
+    checkpoint_train(m2, fused2, range(2, 3))
+    checkpoint_train(model, opt, range(2, 3))
+    for k, v in param_copy(model).items():  # fused kernels round differently
+        torch.testing.assert_close(param_copy(m2)[k], v, rtol=1e-12, atol=1e-14)
 
 
 def test_consolidated_state_dict_saves_and_loads_weights_only(tmp_path):
     model, opt = _trained("adafactor", shard="param")
     path = tmp_path / "opt.pt"
-    ckpt.save_state_dict(opt.state_dict(), path)
-    assert_state_equal(torch.load(path, weights_only=True), opt.state_dict())
+    _offline.save_state_dict(opt.state_dict(), path)
+    assert_state_dicts_equal(torch.load(path, weights_only=True), opt.state_dict())
 
 
 def test_inspect_and_offline_consolidate_of_a_missing_checkpoint_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="no sharded optimizer checkpoint"):
-        ckpt.consolidate_checkpoint(tmp_path)
+        _offline.consolidate_checkpoint(tmp_path)
     model, opt = _trained()
     opt.save_sharded(tmp_path)
     record = json.loads((tmp_path / ckpt.COMMIT_FILE).read_text())
@@ -391,8 +323,8 @@ _KILLER = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {root!r})
     import safetensors.torch
-    from hf_zero import checkpoint
-    from tests.test_checkpoint import Net, _train, _zero
+    from hf_zero import _sharded as checkpoint
+    from tests.models import CheckpointNet, checkpoint_train, checkpoint_zero
 
     where = sys.argv[1]
     def die():
@@ -417,9 +349,9 @@ _KILLER = textwrap.dedent(
     checkpoint.os.replace = replace
     checkpoint._remove_stale = remove_stale
 
-    model = Net()
-    opt = _zero(model, "adamw", "flat", True)
-    _train(model, opt, range(0, 4))
+    model = CheckpointNet()
+    opt = checkpoint_zero(model, "adamw", "flat", True)
+    checkpoint_train(model, opt, range(0, 4))
     opt.save_sharded(sys.argv[2])
     """
 )
@@ -439,9 +371,9 @@ def test_save_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
     for where, expected in (("shard", old), ("commit", old), ("cleanup", new)):
         proc = subprocess.run([sys.executable, str(script), where, str(directory)], timeout=100, capture_output=True)
         assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-        fresh = _zero(Net(), "adamw", "param", False)
+        fresh = checkpoint_zero(CheckpointNet(), "adamw", "param", False)
         fresh.load_sharded(directory)
-        assert_state_equal(fresh.state_dict(), expected)
+        assert_state_dicts_equal(fresh.state_dict(), expected)
     opt.save_sharded(directory)  # a later save commits and clears the debris
     assert sorted(os.listdir(directory)) == sorted(
         [ckpt.COMMIT_FILE] + [f["file"] for f in json.loads((directory / ckpt.COMMIT_FILE).read_text())["files"]]

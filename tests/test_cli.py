@@ -7,29 +7,29 @@ import torch
 
 from hf_zero.cli import main
 from tests._dist import run_ranks
-from tests.test_checkpoint import (
-    Net,
-    assert_params_equal,
-    _consolidated,
-    _optimizer_class,
-    _params,
-    _train,
-    _zero,
-    assert_state_equal,
+from tests.models import (
+    CheckpointNet,
+    assert_param_dicts_equal,
+    assert_state_dicts_equal,
+    checkpoint_optimizer_class,
+    checkpoint_train,
+    checkpoint_zero,
+    consolidated_copy,
+    param_copy,
 )
 
 
 def _save_on_two_ranks(rank, world_size, directory):
-    from hf_zero import checkpoint
+    from hf_zero import _sharded as checkpoint
 
-    model = Net()
-    opt = _zero(model, "adamw", "flat", True)
-    _train(model, opt, range(0, 4))  # a.weight frozen at step 3: its state is parked
+    model = CheckpointNet()
+    opt = checkpoint_zero(model, "adamw", "flat", True)
+    checkpoint_train(model, opt, range(0, 4))  # a.weight frozen at step 3: its state is parked
     opt.save_sharded(directory)
-    saved, params = _consolidated(opt), _params(model)
+    saved, params = consolidated_copy(opt), param_copy(model)
 
     # A rank failing to write: every rank raises, nothing is committed, no hang.
-    _train(model, opt, range(4, 5))
+    checkpoint_train(model, opt, range(4, 5))
     if rank == 1:
         def disk_full(path, write):
             raise OSError(28, "No space left on device")
@@ -52,20 +52,20 @@ def test_consolidate_output_loads_into_the_plain_optimizer_and_continues(tmp_pat
 
     assert main(["consolidate", directory, out]) == 0
     merged = torch.load(out, weights_only=True)
-    assert_state_equal(merged, saved)  # the failed second save left the first in place
+    assert_state_dicts_equal(merged, saved)  # the failed second save left the first in place
 
-    model = Net()
+    model = CheckpointNet()
     model.load_state_dict(params)
-    cls, kw = _optimizer_class("adamw")
+    cls, kw = checkpoint_optimizer_class("adamw")
     plain = cls(model.named_parameters(), **kw)
     plain.load_state_dict(merged)
-    _train(model, plain, range(4, 7))
+    checkpoint_train(model, plain, range(4, 7))
 
-    ref_model = Net()
+    ref_model = CheckpointNet()
     ref = cls(ref_model.named_parameters(), **kw)
-    _train(ref_model, ref, range(0, 7))
-    assert_params_equal(_params(model), _params(ref_model))  # continues exactly
-    assert_state_equal(plain.state_dict(), ref.state_dict())
+    checkpoint_train(ref_model, ref, range(0, 7))
+    assert_param_dicts_equal(param_copy(model), param_copy(ref_model))  # continues exactly
+    assert_state_dicts_equal(plain.state_dict(), ref.state_dict())
 
     capsys.readouterr()
     assert main(["inspect", directory]) == 0

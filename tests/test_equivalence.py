@@ -50,7 +50,7 @@ EVERY_ELEMENTWISE = {
     for shard in ("flat", "param")
 }
 
-# Params moved or replaced behind the optimizer's back (DESIGN §4: accelerate.prepare, model.to).
+# Params moved or replaced behind the optimizer's back (docs/architecture.md, field facts: accelerate.prepare, model.to).
 DISTURBED = {
     "to-float64-after-construction": (Setup(), "to_float64"),
     "data-replaced-after-step-2": (Setup(), "replace_data"),

@@ -85,8 +85,9 @@ def test_json_report_schema(capsys, tmp_path):
     assert report["schema"] == "hf_zero.plan/1"
     assert set(report) == {"schema", "model", "world_size", "optimizer", "backend", "per_rank_common",
                            "unsharded", "plans"}
-    assert set(report["model"]) == {"name", "params", "param_tensors", "trainable_params",
+    assert set(report["model"]) == {"name", "architecture", "params", "param_tensors", "trainable_params",
                                     "trainable_tensors", "module_buffers", "dtype"}
+    assert report["model"]["architecture"] == "GPT2LMHeadModel"  # no architectures listed: a causal LM
     assert set(report["plans"]) == {"hf_zero_flat", "hf_zero_param", "torch_zero"}
     common = {"trainable_elements_per_rank", "state_bytes_per_rank", "max_state_bytes", "max_rank_bytes", "balance",
               "collectives_per_step", "sync_bytes_per_step"}
@@ -118,3 +119,73 @@ def test_bad_input_is_named(capsys):
     assert "--shard" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "no/such/config.json", "--world-size", "2"]) == 2
     assert "model" in capsys.readouterr().err
+
+
+def _bert_dir(tmp_path, **config):
+    """A model folder whose config.json lists only ``architectures`` (no weights needed)."""
+    from transformers import BertConfig
+
+    path = tmp_path / "model"
+    BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+               max_position_embeddings=32, **config).save_pretrained(path)
+    return str(path)
+
+
+def test_task_plans_a_head_the_config_does_not_list(tmp_path, capsys):
+    # Like sentence-transformers/all-MiniLM-L6-v2: the config names only BertModel.
+    model = _bert_dir(tmp_path, architectures=["BertModel"])
+    base, _, base_class = planner.load_model_params(model)
+    assert base_class == "BertModel" and not any(p.name.startswith("classifier") for p in base)
+
+    argv = ["plan", "--model", model, "--world-size", "2", "--trainable", "classifier"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no parameter name matches ['classifier'] in BertModel" in err
+    assert "--task (one of base, causal-lm, masked-lm" in err and "sequence-classification" in err
+
+    assert cli.main(argv + ["--task", "sequence-classification", "--num-labels", "3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["architecture"] == "BertForSequenceClassification"
+    assert (report["model"]["trainable_params"], report["model"]["trainable_tensors"]) == (16 * 3 + 3, 2)
+    # The head is the only addition (BertForSequenceClassification keeps the pooler).
+    assert report["model"]["params"] == sum(p.numel for p in base) + 16 * 3 + 3
+    assert sum(report["plans"]["hf_zero_flat"]["trainable_elements_per_rank"]) == 51
+
+    tokens, _, cls = planner.load_model_params(model, task="token-classification", num_labels=7)
+    assert cls == "BertForTokenClassification"
+    assert {p.name: p.shape for p in tokens}["classifier.weight"] == (7, 16)
+
+
+def test_auto_task_follows_the_configs_architectures(tmp_path):
+    model = _bert_dir(tmp_path, architectures=["BertForTokenClassification"], num_labels=5)
+    params, _, cls = planner.load_model_params(model)
+    assert cls == "BertForTokenClassification"
+    assert {p.name: p.shape for p in params}["classifier.weight"] == (5, 16)
+    # A class this transformers lacks (remote code): the default rule, a causal LM or the bare model.
+    other = _bert_dir(tmp_path / "x", architectures=["MyCustomBertModel"])
+    assert planner.load_model_params(other)[2] == "BertLMHeadModel"
+    assert planner.load_model_params("gpt2")[2] == "GPT2LMHeadModel"
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--num-labels", "3"], "--num-labels applies only to --task sequence-classification or --task "
+                                "token-classification (got --task auto)"),
+        (["--task", "causal-lm", "--num-labels", "3"], "--num-labels applies only to"),
+        (["--task", "sequence-classification", "--num-labels", "0"], "--num-labels must be >= 1, got 0"),
+        (["--task", "seq2seq-lm"], "has no seq2seq-lm model for model_type 'gpt2' (--task seq2seq-lm); "
+                                   "choose another of ['auto', 'base', 'causal-lm'"),
+    ],
+)
+def test_bad_task_options_are_named(tmp_path, capsys, extra, message):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(model_type="gpt2", vocab_size=100, n_positions=16, n_embd=8, n_layer=1, n_head=2)))
+    assert cli.main(["plan", "--model", str(config), "--world-size", "2", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-zero plan: error: ") and message in err, err
+    with pytest.raises(ValueError, match=r"task: 'nope' is not a valid task; choose one of \['auto', 'base'"):
+        planner.load_model_params(str(config), task="nope")
+    with pytest.raises(SystemExit):  # argparse lists the choices
+        cli.main(["plan", "--model", str(config), "--world-size", "2", "--task", "nope"])
+    assert "invalid choice: 'nope' (choose from" in capsys.readouterr().err

@@ -12,13 +12,12 @@ import shutil
 import pytest
 import torch
 from transformers import HfArgumentParser, Trainer, TrainingArguments
-from transformers.trainer_optimizer import _OPTIMIZER_HANDLERS
 from transformers.training_args import OptimizerNames
 
 import hf_zero
 from hf_zero.integrations import transformers as hf_tr
 from tests._dist import run_ranks
-from tests.hf_trainer_cases import run_many, tiny_bert
+from tests.hf_trainer_cases import run_counting_agreements, run_many, run_trainer_catching, tiny_bert
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -59,16 +58,16 @@ def test_registration_is_idempotent_and_keeps_builtins(tmp_path):
     import transformers.trainer as tt
 
     names_before = [m.value for m in OptimizerNames]
-    handlers_before = dict(_OPTIMIZER_HANDLERS)
     hf_tr.register()
     hf_tr.register()
     assert [m.value for m in OptimizerNames] == names_before
     assert names_before.count("zero_bucket") == 1
-    assert dict(_OPTIMIZER_HANDLERS) == handlers_before
     assert tt.DEFAULT_CALLBACKS.count(hf_zero.ZeroBucketCallback) == 1
-    for name in ("adamw_torch", "adamw_torch_fused", "sgd", "adafactor"):
-        assert _args(tmp_path, optim=name).optim == name
-        assert OptimizerNames(name) in _OPTIMIZER_HANDLERS
+    for name, cls in (("adamw_torch", torch.optim.AdamW), ("adamw_torch_fused", torch.optim.AdamW),
+                      ("sgd", torch.optim.SGD), ("adafactor", hf_tr.Adafactor)):
+        args = _args(tmp_path, optim=name)
+        assert args.optim == name
+        assert Trainer.get_optimizer_cls_and_kwargs(args)[0] is cls
 
 
 def test_factory_groups_include_frozen_params_with_trainer_decay_rules(tmp_path):
@@ -131,7 +130,8 @@ def test_optim_args_pick_inner_optimizer_and_match_it(tmp_path, optim_args, inne
     "optim_args, message",
     [
         ("inner=adamx", r"inner='adamx' is not supported; choose one of \['adafactor', 'adam', 'adamw'"),
-        ("inner=adamw,momentum=0.9", r"unknown key\(s\) \['momentum'\].*valid keys: \['inner', 'shard', 'bucket_view', 'amsgrad'\]"),
+        ("inner=adamw,momentum=0.9", r"unknown key\(s\) \['momentum'\].*valid keys: \['inner', 'shard', 'bucket_view', 'sharded_checkpoints', 'amsgrad'\]"),
+            ("sharded_checkpoints=maybe", r"sharded_checkpoints='maybe' is not a boolean"),
         ("shard=rows", r"shard='rows' is not valid; choose one of \['auto', 'flat', 'param'\]"),
         ("bucket_view=maybe", r"bucket_view='maybe' is not a boolean"),
         ("inner=sgd,momentum=lots", r"momentum='lots' is not a number"),
@@ -263,15 +263,16 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
 @pytest.mark.reliability("Trainer with ZeroBucketCallback(sharded_checkpoints=True): save at step 4 on 2 ranks, resume on 2 and on 1 rank", "equal to the uninterrupted run (1e-12); optimizer.pt is a tiny reference, loadable with weights_only=True")
 @pytest.mark.timeout(240)
 def test_trainer_sharded_checkpoints_resume_on_two_and_one_rank(tmp_path):
-    from hf_zero import checkpoint, reference
+    from hf_zero import _offline, _sharded
 
     main, ckpt = str(tmp_path / "main"), str(tmp_path / "main" / "checkpoint-4")
     sharded = dict(MAIN, sharded_checkpoints=True)
     two = run_ranks(run_many, 2, [
         ("run_trainer", dict(output_dir=main, **sharded)),
         ("run_trainer", dict(output_dir=str(tmp_path / "resume2"), resume=ckpt, **sharded)),
-        ("run_trainer", dict(output_dir=str(tmp_path / "rotate"), sharded_checkpoints=True, save_strategy="steps",
-                             save_steps=2, max_steps=5, save_total_limit=1)),
+        # --optim_args sharded_checkpoints=true: the same as the explicit callback
+        ("run_trainer", dict(output_dir=str(tmp_path / "rotate"), optim_args="sharded_checkpoints=true",
+                             save_strategy="steps", save_steps=2, max_steps=5, save_total_limit=1)),
     ], timeout=220)
     # Moved (the path recorded at save time is gone), resumed by one process with the
     # default (consolidating) callback: found through Trainer's resume path and loaded.
@@ -288,28 +289,28 @@ def test_trainer_sharded_checkpoints_resume_on_two_and_one_rank(tmp_path):
     assert [e["step"] for e in uninterrupted[1] if "zero_rebuilds" in e and "loss" not in e] == [0, 2, 3, 5]
     # save_total_limit rotates whole checkpoints; the kept one holds its sharded state.
     assert sorted(os.listdir(tmp_path / "rotate")) == ["checkpoint-5"]
-    assert checkpoint.is_sharded_checkpoint(str(tmp_path / "rotate" / "checkpoint-5" / hf_tr.SHARDED_DIR))
+    assert _sharded.is_sharded_checkpoint(str(tmp_path / "rotate" / "checkpoint-5" / hf_tr.SHARDED_DIR))
 
     # The checkpoint: the sharded state of both ranks, and an optimizer.pt that only refers to it.
     initial = dict(tiny_bert().named_parameters())
     shards = os.path.join(ckpt, hf_tr.SHARDED_DIR)
-    assert checkpoint.is_sharded_checkpoint(shards)
+    assert _sharded.is_sharded_checkpoint(shards)
     assert sum(name.endswith("-of-00002.safetensors") for name in os.listdir(shards)) == 2
     marker = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=True)
     assert marker["state"] == {} and marker["param_groups"] == []
-    assert marker[reference.KEY]["token"] == reference.token_at(shards) and marker[reference.KEY]["step"] == 4
+    assert marker[_sharded.REFERENCE_KEY]["token"] == _sharded.token_at(shards) and marker[_sharded.REFERENCE_KEY]["step"] == 4
     assert os.path.getsize(os.path.join(ckpt, "optimizer.pt")) < 2000
-    full = checkpoint.consolidate_checkpoint(shards)
+    full = _offline.consolidate_checkpoint(shards)
     assert len(full["state"]) == len(initial) and all("exp_avg_sq" in st for st in full["state"].values())
     # The resumed 2-rank run wrote its final checkpoint sharded too; the 1-process one consolidated.
-    assert checkpoint.is_sharded_checkpoint(str(tmp_path / "resume2" / "checkpoint-7" / hf_tr.SHARDED_DIR))
+    assert _sharded.is_sharded_checkpoint(str(tmp_path / "resume2" / "checkpoint-7" / hf_tr.SHARDED_DIR))
     final1 = torch.load(str(tmp_path / "resume1" / "checkpoint-7" / "optimizer.pt"), weights_only=True)
     assert len(final1["state"]) == len(initial)
 
 
 def test_sharded_reference_is_never_silently_ignored(tmp_path):
     """A loaded reference must be resolved before any step; a plain optimizer refuses it."""
-    from hf_zero import reference
+    from hf_zero import _sharded
 
     def build():
         torch.manual_seed(0)
@@ -325,12 +326,12 @@ def test_sharded_reference_is_never_silently_ignored(tmp_path):
     step(model, opt)
     path = str(tmp_path / "ckpt" / "hf_zero_optimizer")
     opt.save_sharded(path)
-    reference.refer(opt, path, step=1)
+    opt.refer_to_sharded(path, step=1)
     marker = opt.state_dict()
-    assert marker[reference.KEY]["path"] == path and marker["state"] == {}
+    assert marker[_sharded.REFERENCE_KEY]["path"] == path and marker["state"] == {}
     opt.load_state_dict(marker)  # its own current state: nothing to load
     step(model, opt)
-    assert "state" in opt.state_dict() and reference.KEY not in opt.state_dict()  # the state changed
+    assert "state" in opt.state_dict() and _sharded.REFERENCE_KEY not in opt.state_dict()  # the state changed
 
     model2, opt2 = build()
     with pytest.raises(ValueError, match="different number of parameter groups"):
@@ -343,8 +344,8 @@ def test_sharded_reference_is_never_silently_ignored(tmp_path):
     moved = str(tmp_path / "moved")
     os.rename(str(tmp_path / "ckpt"), moved)
     with pytest.raises(RuntimeError, match=r"cannot find the sharded optimizer checkpoint .*looked in \[.*elsewhere"):
-        reference.load_pending(opt2, [str(tmp_path / "elsewhere")])
-    assert reference.load_pending(opt2, [os.path.join(moved, "hf_zero_optimizer")]) == os.path.join(moved, "hf_zero_optimizer")
+        opt2.load_pending_sharded([str(tmp_path / "elsewhere")])
+    assert opt2.load_pending_sharded([os.path.join(moved, "hf_zero_optimizer")]) == os.path.join(moved, "hf_zero_optimizer")
     # Equal to the original after the same step from the saved state.
     model3, opt3 = build()
     step(model3, opt3)
@@ -354,3 +355,24 @@ def test_sharded_reference_is_never_silently_ignored(tmp_path):
     step(model3, opt3)
     for p2, p3 in zip(model2.parameters(), model3.parameters()):
         assert torch.equal(p2, p3)
+
+
+@pytest.mark.reliability("Two Trainers that each run alone (parallel_mode NOT_PARALLEL) under a torch.distributed world of 2", "`ValueError` at optimizer creation on both, naming the mismatch and ACCELERATE_USE_CPU=1; no cross-trainer sharding")
+@pytest.mark.timeout(120)
+def test_independent_trainers_under_a_distributed_world_are_refused(tmp_path):
+    # use_cpu=False on a machine without accelerators: transformers sees one process, as with
+    # plain `torchrun` on CPU without ACCELERATE_USE_CPU=1.
+    errors = run_ranks(run_trainer_catching, 2, output_dir=str(tmp_path / "alone"), use_cpu=False, timeout=100)
+    for error in errors:
+        assert error.startswith("ValueError: optim='zero_bucket': the Trainer runs this process alone"), error
+        assert "torch.distributed has 2 processes" in error and "ACCELERATE_USE_CPU=1" in error
+
+
+@pytest.mark.timeout(120)
+def test_one_agreement_all_reduce_per_trainer_step(tmp_path):
+    """The trainability/view check is one small all-reduce per optimizer step (plus one when
+    training begins), also with a trainability change in the run."""
+    for calls, steps in run_ranks(run_counting_agreements, 2, output_dir=str(tmp_path / "count"), timeout=100,
+                                  schedule={3: {"bert.embeddings.": False}, 5: {"bert.embeddings.": True}}):
+        assert steps == 7
+        assert calls == steps + 1

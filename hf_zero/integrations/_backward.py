@@ -1,7 +1,8 @@
 """Average the gradients DDP does not reduce at the end of each backward, as DDP would.
 
 [Note: unreduced gradients]
-DDP reduces only the params that required grad when it was built (DESIGN §4). A param
+DDP reduces only the params that required grad when it was built
+(``torch/nn/parallel/distributed.py``; docs/architecture.md, "Unreduced gradients"). A param
 unfrozen later keeps a purely local gradient. ZeroBucketOptimizer averages those at
 ``step()``, which is too late for anything that reads gradients between backward and
 step: gradient clipping (the total norm would differ per rank) and GradScaler's
@@ -19,6 +20,8 @@ import weakref
 from typing import Callable
 
 import torch
+
+from . import _compat
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
 
@@ -46,18 +49,18 @@ def attach_grad_averaging(model: torch.nn.Module, optimizer, *, syncing: Callabl
     optimizer's params that DDP does not reduce. Idempotent per ``model``.
 
     Call when DDP has just been built: the params frozen now are the ones DDP
-    will never reduce (``optimizer._note_ddp_built()`` is called here).
+    will never reduce (``optimizer.mark_ddp_reduced()`` is called here).
     ``syncing`` (read at each forward; the same on every rank) skips the backwards
     DDP does not sync either, i.e. the non-final micro-batches of gradient accumulation.
     """
-    optimizer._note_ddp_built()
-    if optimizer._comm.world_size == 1:
+    optimizer.mark_ddp_reduced()
+    if optimizer.world_size == 1:
         return
     model = unwrap_ddp(model)
     previous = _ATTACHED.pop(model, None)
     if previous is not None:
         previous.remove()
-    unreduced = [p for p, reduced in zip(optimizer._params, optimizer._ddp_reduced) if not reduced]
+    unreduced = optimizer.unreduced_params()
     if not unreduced:
         return  # DDP reduces every param this optimizer can ever train
     opt_ref = weakref.ref(optimizer)
@@ -65,8 +68,7 @@ def attach_grad_averaging(model: torch.nn.Module, optimizer, *, syncing: Callabl
     def average() -> None:
         opt = opt_ref()
         if opt is not None:
-            opt._grads_averaged = False  # forced: a step skipped by GradScaler leaves the flag set
-            opt._average_unreduced_grads()
+            opt.average_unreduced_grads()
 
     def after_forward(module, args, output):
         if not torch.is_grad_enabled() or not any(p.requires_grad for p in unreduced):
@@ -83,7 +85,7 @@ def attach_grad_averaging(model: torch.nn.Module, optimizer, *, syncing: Callabl
                     queued[0] = False
                     average()
 
-                torch.autograd.Variable._execution_engine.queue_callback(run)
+                _compat.queue_end_of_backward(run)
             return None
 
         for t in _tensors(output):
@@ -104,19 +106,20 @@ def guard_frozen_under_ddp(model: torch.nn.Module, optimizer, *, find_unused_par
     previous = _GUARDED.pop(model, None)
     if previous is not None:
         previous.remove()
-    if find_unused_parameters or optimizer._comm.world_size == 1:
+    if find_unused_parameters or optimizer.world_size == 1:
         return
-    reduced = [i for i, p in enumerate(optimizer._params) if p.requires_grad]
+    reduced = [i for i, p in enumerate(optimizer.params) if p.requires_grad]
     opt_ref = weakref.ref(optimizer)
 
     def before_forward(module, args):
         opt = opt_ref()
         if opt is None or not torch.is_grad_enabled():
             return
-        frozen = [i for i in reduced if not opt._params[i].requires_grad]
+        params = opt.params
+        frozen = [i for i in reduced if not params[i].requires_grad]
         if frozen:
             raise ValueError(
-                f"hf_zero: {opt._name(frozen[0])} was frozen after DistributedDataParallel was built with "
+                f"hf_zero: {opt.param_label(frozen[0])} was frozen after DistributedDataParallel was built with "
                 f"find_unused_parameters=False, which DDP cannot handle. {hint}"
             )
 

@@ -1,23 +1,27 @@
-"""Accelerate integration: :func:`prepare_accelerator`.
+"""Accelerate integration: an ``Accelerator`` that prepares a ZeroBucketOptimizer is
+made safe for it, with no call needed (:func:`prepare_accelerator` stays as the
+explicit form and to turn on sharded checkpoints).
 
-Needs no import of accelerate: it works on the ``Accelerator`` object it is given.
+The wiring runs after every ``Accelerator.prepare_model`` / ``prepare_optimizer``
+(which ``prepare`` calls too), so the model and the optimizer may be prepared in any
+order or in separate calls. Needs no import of accelerate until an ``Accelerator``
+exists: :func:`install` wraps those two methods of the class it is given.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import weakref
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
-from .. import reference
 from ..optimizer import ZeroBucketOptimizer
+from . import _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
-from ._views import release_views
 
-_HOOKED = "_hf_zero_hooks"
-_SHARDED = "_hf_zero_sharded_checkpoints"
 _DDP_HINT = (
     "To freeze params during training, build the Accelerator with "
     "kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)], or freeze them before "
@@ -25,32 +29,42 @@ _DDP_HINT = (
 )
 
 
-def _ours(optimizer) -> ZeroBucketOptimizer | None:
-    while optimizer is not None and not isinstance(optimizer, ZeroBucketOptimizer):
+@dataclass
+class _Wiring:
+    sharded_checkpoints: bool = False
+    hooked: bool = False
+
+
+# accelerator -> how it is wired (weak: an Accelerator going away takes its entry along)
+_WIRED: "weakref.WeakKeyDictionary[object, _Wiring]" = weakref.WeakKeyDictionary()
+
+
+def ours(optimizer) -> ZeroBucketOptimizer | None:
+    """The ZeroBucketOptimizer inside Accelerate's wrapper(s), or None."""
+    for _ in range(8):
+        if optimizer is None or isinstance(optimizer, ZeroBucketOptimizer):
+            return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
-    return optimizer
-
-
-def _zero_optimizers(accelerator) -> list[ZeroBucketOptimizer]:
-    return [o for o in (_ours(opt) for opt in accelerator._optimizers) if o is not None]
+    return None
 
 
 def _indexed(accelerator) -> list[tuple[str, ZeroBucketOptimizer]]:
     """``(sharded directory name, optimizer)``, named after Accelerate's optimizer files
     (``optimizer.bin``, ``optimizer_1.bin``, ...)."""
     out = []
-    for i, opt in enumerate(accelerator._optimizers):
-        ours = _ours(opt)
-        if ours is not None:
-            out.append(("hf_zero_optimizer" if i == 0 else f"hf_zero_optimizer_{i}", ours))
+    for i, opt in enumerate(_compat.prepared_optimizers(accelerator)):
+        mine = ours(opt)
+        if mine is not None:
+            out.append(("hf_zero_optimizer" if i == 0 else f"hf_zero_optimizer_{i}", mine))
     return out
 
 
 def prepare_accelerator(accelerator, *, sharded_checkpoints: bool = False) -> None:
     """Make an ``accelerate.Accelerator`` safe for :class:`~hf_zero.ZeroBucketOptimizer`.
 
-    Call it on every rank right after ``accelerator.prepare(model, optimizer, ...)``
-    (again after preparing more models/optimizers; calling it twice is harmless). It
+    Optional: hf_zero does the same by itself whenever an Accelerator prepares a
+    ZeroBucketOptimizer (with hf_zero imported or installed). Call it on every rank,
+    after ``accelerator.prepare(...)``, to turn on ``sharded_checkpoints``. The wiring
 
     - averages, at the end of each backward, the grads of params DDP does not reduce
       (params frozen when ``prepare`` built DDP and unfrozen later), so
@@ -68,37 +82,61 @@ def prepare_accelerator(accelerator, *, sharded_checkpoints: bool = False) -> No
 
     With ``sharded_checkpoints=True`` the save-state hook instead has every rank write
     its own state to ``<output_dir>/hf_zero_optimizer`` (``save_sharded``, no gather;
-    all ranks must see the directory) and ``optimizer.bin`` is a small reference to it
-    (see :mod:`hf_zero.reference`). ``load_state`` loads such a directory whenever the
-    checkpoint has one, in either mode, on any number of processes.
+    all ranks must see the directory) and ``optimizer.bin`` is a small reference to it.
+    ``load_state`` loads such a directory whenever the checkpoint has one, in either
+    mode, on any number of processes.
 
-    Raises ``ValueError`` when no prepared optimizer is a ZeroBucketOptimizer, or when
+    Raises ``ValueError`` when no prepared optimizer is a ZeroBucketOptimizer, when
     ``save_on_each_node`` is set (one complete optimizer file per node is not
-    supported yet).
+    supported yet), or when the Accelerator runs one process while the optimizer
+    shards over several ranks.
     """
-    optimizers = _zero_optimizers(accelerator)
-    if not optimizers:
+    if not _wire(accelerator):
         raise ValueError(
             "prepare_accelerator: no ZeroBucketOptimizer among the accelerator's prepared optimizers; call "
             "it after accelerator.prepare(model, optimizer, ...)"
         )
+    _WIRED[accelerator].sharded_checkpoints = bool(sharded_checkpoints)
+
+
+def install(accelerator_class) -> None:
+    """Wire every ``accelerator_class`` instance after each ``prepare_model`` /
+    ``prepare_optimizer``. Idempotent."""
+    _compat.after_prepare(accelerator_class, _wire)
+
+
+def _wire(accelerator) -> bool:
+    """Wire ``accelerator`` for the ZeroBucketOptimizers it prepared so far; return
+    whether it has any. Idempotent (safe after every prepare call)."""
+    optimizers = [o for o in map(ours, _compat.prepared_optimizers(accelerator)) if o is not None]
+    if not optimizers:
+        return False
     if getattr(accelerator.project_configuration, "save_on_each_node", False):
         raise ValueError(
-            "prepare_accelerator: ProjectConfiguration(save_on_each_node=True) is not supported with "
+            "hf_zero: ProjectConfiguration(save_on_each_node=True) is not supported with "
             "ZeroBucketOptimizer; the optimizer state is consolidated on the main process only"
         )
     for opt in optimizers:
-        ids = {id(p) for p in opt._params}
-        for model in accelerator._models:
+        if accelerator.num_processes == 1 and opt.world_size > 1:
+            raise ValueError(
+                f"hf_zero: Accelerate runs this process alone (num_processes=1, distributed_type="
+                f"{accelerator.distributed_type}) but torch.distributed has {opt.world_size} ranks: "
+                "ZeroBucketOptimizer would shard the state over processes that do not average gradients. "
+                "Launch with `accelerate launch --multi_gpu --num_processes N` (on CPU set ACCELERATE_USE_CPU=1), "
+                "or pass process_group= to shard over a group of your choice."
+            )
+        ids = {id(p) for p in opt.params}
+        for model in _compat.prepared_models(accelerator):
             if any(id(p) in ids for p in unwrap_ddp(model).parameters()):
                 attach_grad_averaging(model, opt, syncing=lambda: accelerator.sync_gradients)
                 guard_frozen_under_ddp(model, opt, find_unused_parameters=_find_unused(accelerator), hint=_DDP_HINT)
-    if not getattr(accelerator, _HOOKED, False):
+    wiring = _WIRED.setdefault(accelerator, _Wiring())
+    if not wiring.hooked:
         accelerator.register_save_state_pre_hook(_save_hook(accelerator))
         accelerator.register_load_state_pre_hook(_load_hook(accelerator))
         accelerator.get_state_dict = _owning_get_state_dict(accelerator, accelerator.get_state_dict)
-        setattr(accelerator, _HOOKED, True)
-    setattr(accelerator, _SHARDED, bool(sharded_checkpoints))
+        wiring.hooked = True
+    return True
 
 
 def _find_unused(accelerator) -> bool:
@@ -147,18 +185,13 @@ def _save_hook(accelerator):
     def hook(models, weights, output_dir):
         for name, opt in _indexed(accelerator):
             path = os.path.join(output_dir, name)
-            if getattr(accelerator, _SHARDED, False):
+            if _WIRED[accelerator].sharded_checkpoints:
                 opt.save_sharded(path)
-                reference.refer(opt, path)
+                opt.refer_to_sharded(path)
                 continue
             if accelerator.is_main_process and os.path.isdir(path):
                 shutil.rmtree(path)  # a sharded state of an earlier save here: load_state would take it
-            main = 0  # accelerate saves on the process with global rank 0
-            opt.consolidate_state_dict(to=main)
-            if opt._comm.rank != main:
-                # Accelerate calls state_dict() on every rank but writes only the main
-                # process's; the others get a state-less dict that is never written.
-                opt._consolidated = {}
+            opt.consolidate_state_dict(to=0)  # accelerate saves on the process with global rank 0
 
     return hook
 
@@ -168,18 +201,8 @@ def _load_hook(accelerator):
         # safetensors' load_model treats params sharing a storage as tied duplicates
         # and reports them as unexpected keys: load into params that own their storage.
         for name, opt in _indexed(accelerator):
-            release_views(opt)
-            path = os.path.join(input_dir, name)
-            # Every rank must take the same branch (load_sharded is a collective).
-            tokens = opt._comm.all_gather_object(reference.token_at(path))
-            if len(set(tokens)) > 1:
-                raise RuntimeError(
-                    f"hf_zero: ranks see different sharded optimizer checkpoints in {path!r} (commit tokens "
-                    f"per rank: {tokens}); all ranks must see the same directory"
-                )
-            if tokens[0] is not None:
-                # Accelerate then loads optimizer.bin: the reference to this state, a no-op.
-                opt.load_sharded(path)
-                reference.refer(opt, path)
+            opt.release_views()
+            # Accelerate then loads optimizer.bin: the reference to this state, a no-op.
+            opt.load_sharded_if_present(os.path.join(input_dir, name))
 
     return hook

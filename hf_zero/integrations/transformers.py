@@ -1,31 +1,27 @@
 """Transformers Trainer integration: ``optim="zero_bucket"`` and :class:`ZeroBucketCallback`.
 
 Importing this module registers the optimizer name and adds the callback to
-``transformers.trainer.DEFAULT_CALLBACKS`` (idempotent). ``_hf_zero_autoload`` does it
-as soon as ``transformers.trainer`` is imported, in any process with hf_zero installed.
+``transformers.trainer.DEFAULT_CALLBACKS`` (idempotent). With hf_zero installed that
+happens as soon as a process imports ``transformers.trainer`` (``hf_zero/_autoload.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import weakref
 from typing import Any
 
 import torch
 import transformers
 import transformers.trainer
-import transformers.trainer_optimizer
-from transformers import PreTrainedModel, TrainerCallback
+from transformers import TrainerCallback
 from transformers.optimization import Adafactor
-from transformers.training_args import OptimizerNames
 
-from .. import reference
 from ..optimizer import ZeroBucketOptimizer
+from . import OPTIM_MEMBER, OPTIM_NAME, _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
-from ._optim_name import OPTIM_NAME
-from ._optim_name import register as register_optim_name
+from .accelerate import ours
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +41,7 @@ _INNER: dict[str, tuple[type, dict, bool, tuple[str, ...]]] = {
         ("scale_parameter", "relative_step", "warmup_init", "clip_threshold", "decay_rate", "beta1"),
     ),
 }
-_COMMON_KEYS = ("inner", "shard", "bucket_view")
+_COMMON_KEYS = ("inner", "shard", "bucket_view", "sharded_checkpoints")
 _SHARDS = ("auto", "flat", "param")
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 _FLOAT_KEYS = ("momentum", "dampening", "clip_threshold", "decay_rate", "beta1")
@@ -63,9 +59,10 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
     (besides the learning rate, betas, eps and weight decay, which come from the args).
 
     Keys: ``inner`` (one of :data:`_INNER`, default ``adamw``), ``shard``
-    (``auto``/``flat``/``param``), ``bucket_view`` (bool), and the inner optimizer's
-    own options (e.g. ``momentum`` for ``sgd``). Unknown keys or values raise
-    ``ValueError`` listing the valid ones.
+    (``auto``/``flat``/``param``), ``bucket_view`` (bool), ``sharded_checkpoints``
+    (bool: read by :class:`ZeroBucketCallback`, see :func:`sharded_checkpoints_requested`),
+    and the inner optimizer's own options (e.g. ``momentum`` for ``sgd``). Unknown
+    keys or values raise ``ValueError`` listing the valid ones.
     """
     inner = optim_args.get("inner", "adamw")
     if inner not in _INNER:
@@ -81,6 +78,7 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
     shard = optim_args.get("shard", "auto")
     if shard not in _SHARDS:
         raise ValueError(f"optim_args: shard={shard!r} is not valid; choose one of {list(_SHARDS)}")
+    _bool("sharded_checkpoints", optim_args.get("sharded_checkpoints", "false"))  # validated here, used by the callback
     if inner == "adamw_fused" and not _fused_available():
         raise ValueError("optim_args: inner='adamw_fused' is not available with this torch build/device")
     out: dict[str, Any] = {
@@ -102,6 +100,21 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def _parse_optim_args_string(text: str | None) -> dict[str, str]:
+    """``"k=v,k2=v2"`` (``TrainingArguments.optim_args``) as a dict."""
+    out = {}
+    for item in (text or "").replace(" ", "").split(","):
+        if item:
+            key, _, value = item.partition("=")
+            out[key] = value
+    return out
+
+
+def sharded_checkpoints_requested(args) -> bool:
+    """Whether ``--optim_args`` asks for sharded checkpoints (``sharded_checkpoints=true``)."""
+    return _bool("sharded_checkpoints", _parse_optim_args_string(args.optim_args).get("sharded_checkpoints", "false"))
+
+
 def _fused_available() -> bool:
     try:
         torch.optim.AdamW([torch.zeros(1)], fused=True)
@@ -119,11 +132,10 @@ class ZeroBucketFactory:
     """
 
     def __call__(self, model: torch.nn.Module, *, weight_decay: float, **kwargs: Any) -> ZeroBucketOptimizer:
-        # Trainer.create_optimizer calls us directly: use that trainer's (possibly
-        # overridden) decay rules; otherwise Trainer's default rules.
-        caller = sys._getframe(1).f_locals.get("self")
-        trainer = caller if isinstance(caller, transformers.Trainer) else None
-        decay = set(transformers.Trainer.get_decay_parameter_names(trainer, model) if trainer is None
+        # Inside Trainer.create_optimizer: that trainer's (possibly overridden) decay
+        # rules; otherwise Trainer's default rules.
+        trainer = _compat.creating_trainer()
+        decay = set(transformers.Trainer.get_decay_parameter_names(None, model) if trainer is None
                     else trainer.get_decay_parameter_names(model))
         named = list(model.named_parameters())
         groups = [
@@ -143,6 +155,7 @@ class ZeroBucketFactory:
 
 def _handler(ctx) -> tuple[Any, dict[str, Any]]:
     kwargs = parse_optim_args(ctx.optim_args)
+    _check_parallel(ctx.args)
     kwargs.update(ctx.optimizer_kwargs)  # lr
     if _INNER[ctx.optim_args.get("inner", "adamw")][2]:
         kwargs.update(ctx.adam_kwargs)  # betas, eps
@@ -150,21 +163,29 @@ def _handler(ctx) -> tuple[Any, dict[str, Any]]:
     return ZeroBucketFactory, kwargs
 
 
+def _check_parallel(args) -> None:
+    """Refuse to shard over a world the Trainer does not train in (say, plain ``torchrun``
+    on CPU without ``ACCELERATE_USE_CPU=1``: each process runs its own Trainer)."""
+    import torch.distributed as dist
+
+    if args.world_size == 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"optim='{OPTIM_NAME}': the Trainer runs this process alone (parallel_mode={args.parallel_mode.value}, "
+            f"world_size=1) but torch.distributed has {dist.get_world_size()} processes, so each process trains "
+            "its own model and no gradients are averaged; sharding the optimizer over them would be wrong. "
+            "Launch so that transformers sees the distributed run: on CPU set ACCELERATE_USE_CPU=1 "
+            "(`ACCELERATE_USE_CPU=1 torchrun --nproc-per-node N ...`) or use "
+            "`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes N ...`."
+        )
+
+
 def register() -> None:
     """Register ``optim="zero_bucket"`` and the default callback. Idempotent."""
-    register_optim_name()
-    transformers.trainer_optimizer._OPTIMIZER_HANDLERS[OptimizerNames(OPTIM_NAME)] = _handler
+    _compat.add_optimizer_name(OPTIM_NAME, member_name=OPTIM_MEMBER)
+    _compat.register_optimizer(OPTIM_NAME, _handler)
+    _compat.watch_trainer(transformers.Trainer)
     if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
         transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
-
-
-def _ours(optimizer) -> ZeroBucketOptimizer | None:
-    """The ZeroBucketOptimizer inside Accelerate's wrapper(s), or None."""
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, ZeroBucketOptimizer) and seen < 8:
-        optimizer = getattr(optimizer, "optimizer", None)
-        seen += 1
-    return optimizer if isinstance(optimizer, ZeroBucketOptimizer) else None
 
 
 # optimizer -> the callback instance driving it (a callback passed explicitly *and*
@@ -185,8 +206,9 @@ class ZeroBucketCallback(TrainerCallback):
     - at train begin (DDP has just been built) it records which params DDP reduces,
       arranges for the others' grads to be averaged at the end of each backward
       (before clipping and GradScaler see them), and builds the buffers;
-    - at each step begin it re-partitions if any ``requires_grad`` changed (freeze /
-      unfreeze from your own callbacks or code);
+    - each step re-partitions if any ``requires_grad`` changed (freeze / unfreeze from
+      your own callbacks or code): the optimizer's step decides it, with one
+      agreement all-reduce per step;
     - a forward that follows the freezing of a param DDP reduces fails early, saying
       what to set, when DDP cannot handle it (``find_unused_parameters=False``,
       Trainer's default with gradient checkpointing);
@@ -194,7 +216,7 @@ class ZeroBucketCallback(TrainerCallback):
       so ``optimizer.pt`` is complete (Trainer calls ``state_dict()`` on rank 0 only);
       with ``sharded_checkpoints=True`` every rank instead writes its own state to
       ``checkpoint-N/hf_zero_optimizer`` (``save_sharded``, no gather) and
-      ``optimizer.pt`` is a small reference to it (see :mod:`hf_zero.reference`);
+      ``optimizer.pt`` is a small reference to it (see :mod:`hf_zero._sharded`);
     - at train begin, when ``resume_from_checkpoint`` loaded such a reference, it loads
       the sharded state (any number of processes), from the resumed checkpoint;
     - it adds ZeRO facts (per-rank trainable elements and optimizer-state bytes,
@@ -205,8 +227,9 @@ class ZeroBucketCallback(TrainerCallback):
         sharded_checkpoints: write sharded optimizer state into Trainer checkpoints
             instead of consolidating it on rank 0. Pass
             ``callbacks=[ZeroBucketCallback(sharded_checkpoints=True)]`` to the Trainer
-            (it takes effect alongside the default instance). All ranks must see the
-            output directory.
+            (it takes effect alongside the default instance), or from the command line
+            ``--optim_args sharded_checkpoints=true``. All ranks must see the output
+            directory.
     """
 
     def __init__(self, sharded_checkpoints: bool = False) -> None:
@@ -216,31 +239,22 @@ class ZeroBucketCallback(TrainerCallback):
 
     # -- helpers ---------------------------------------------------------------------
     def _mine(self, optimizer) -> ZeroBucketOptimizer | None:
-        opt = _ours(optimizer)
+        opt = ours(optimizer)
         if opt is None or _DRIVER.get(opt) is not self:
             return None
         return opt
 
-    def _facts(self, opt: ZeroBucketOptimizer) -> dict[str, Any]:
+    @staticmethod
+    def _facts(opt: ZeroBucketOptimizer) -> dict[str, Any]:
         """ZeRO facts gathered from every rank. Collective."""
-        rank = opt._comm.rank
-        elements = sum(pc.numel for pc in opt._layout.pieces(rank)) if opt._layout is not None else 0
-        state_bytes = sum(
-            v.numel() * v.element_size()
-            for hs in opt._holdings().values()
-            for h in hs
-            for v in h.state.values()
-            if isinstance(v, torch.Tensor)
-        )
-        per_rank = opt._comm.all_gather_object((elements, state_bytes))
-        elements_per_rank = [e for e, _ in per_rank]
-        bytes_per_rank = [b for _, b in per_rank]
-        mean = sum(elements_per_rank) / len(elements_per_rank)
+        stats = opt.stats()
+        elements = stats["elements_per_rank"]
+        mean = sum(elements) / len(elements)
         return {
-            "zero_rebuilds": opt.rebuilds,
-            "zero_trainable_elements_per_rank": elements_per_rank,
-            "zero_state_bytes_per_rank": bytes_per_rank,
-            "zero_balance": round(max(elements_per_rank) / mean, 4) if mean else 1.0,
+            "zero_rebuilds": stats["rebuilds"],
+            "zero_trainable_elements_per_rank": elements,
+            "zero_state_bytes_per_rank": stats["state_bytes_per_rank"],
+            "zero_balance": round(max(elements) / mean, 4) if mean else 1.0,
         }
 
     def _record(self, opt: ZeroBucketOptimizer, state) -> None:
@@ -256,7 +270,7 @@ class ZeroBucketCallback(TrainerCallback):
 
     # -- events ----------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        opt = _ours(optimizer)
+        opt = ours(optimizer)
         if opt is None:
             return
         if _DRIVER.get(opt) not in (None, self):
@@ -264,29 +278,22 @@ class ZeroBucketCallback(TrainerCallback):
                 _SHARDED_SAVES[opt] = True
             return
         _DRIVER[opt] = self
-        _SHARDED_SAVES[opt] = self.sharded_checkpoints
+        _SHARDED_SAVES[opt] = self.sharded_checkpoints or sharded_checkpoints_requested(args)
         # DDP was built just before this event. Trainer sets accelerate's shared
         # GradientState.sync_gradients before each micro-batch.
         from accelerate.state import GradientState
 
         attach_grad_averaging(model, opt, syncing=lambda: GradientState().sync_gradients)
-        guard_frozen_under_ddp(model, opt, find_unused_parameters=_ddp_find_unused(args, model), hint=_DDP_HINT)
+        guard_frozen_under_ddp(model, opt, find_unused_parameters=_compat.ddp_find_unused_parameters(args, model), hint=_DDP_HINT)
         # Trainer loaded optimizer.pt before this event; a sharded reference is loaded
         # here, before any step (collective).
         candidates = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
-        resumed = _resume_dir()
+        resumed = _compat.resumed_from(optimizer)
         if resumed is not None:
             candidates.insert(0, resumed)
-        reference.load_pending(opt, [os.path.join(c, SHARDED_DIR) for c in candidates])
-        opt._prepare()
+        opt.load_pending_sharded([os.path.join(c, SHARDED_DIR) for c in candidates])
+        opt.ensure_partition()
         self._rebuilds_logged = -1
-        self._record(opt, state)
-
-    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
-        opt = self._mine(optimizer)
-        if opt is None:
-            return
-        opt._prepare()  # collective: rebuilds on every rank if any rank's trainable set changed
         self._record(opt, state)
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
@@ -304,7 +311,7 @@ class ZeroBucketCallback(TrainerCallback):
         if _SHARDED_SAVES.get(opt):
             path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", SHARDED_DIR)
             opt.save_sharded(path)
-            reference.refer(opt, path, step=state.global_step)
+            opt.refer_to_sharded(path, step=state.global_step)
         else:
             opt.consolidate_state_dict(to=0)
 
@@ -322,37 +329,9 @@ class ZeroBucketCallback(TrainerCallback):
 
 _DDP_HINT = (
     "Set TrainingArguments(ddp_find_unused_parameters=True) (with gradient checkpointing keep "
-    "gradient_checkpointing_kwargs={'use_reentrant': False}, transformers' default), or freeze the "
-    "param before the Trainer starts."
+    "gradient_checkpointing_kwargs={'use_reentrant': False}, transformers' default since 5.0), or freeze "
+    "the param before the Trainer starts."
 )
-
-
-def _resume_dir() -> str | None:
-    """The ``resume_from_checkpoint`` directory of the running ``Trainer.train``, if any.
-
-    Trainer does not pass it to callbacks; it is a local of ``_inner_training_loop``
-    (transformers 5.x), which calls ``on_train_begin``. Other candidates (and the
-    token check in :func:`hf_zero.reference.load_pending`) cover other versions.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_inner_training_loop" and isinstance(frame.f_locals.get("self"), transformers.Trainer):
-            resumed = frame.f_locals.get("resume_from_checkpoint")
-            return resumed if isinstance(resumed, (str, os.PathLike)) else None
-        frame = frame.f_back
-    return None
-
-
-def _ddp_find_unused(args, model) -> bool:
-    """The ``find_unused_parameters`` Trainer gave DDP (``transformers/trainer.py:749-756``)."""
-    if args.ddp_find_unused_parameters is not None:
-        return bool(args.ddp_find_unused_parameters)
-    if isinstance(model, PreTrainedModel):
-        return not (
-            getattr(model, "is_activation_checkpointing", False)
-            or getattr(args, "activation_checkpointing", False)
-        )
-    return True
 
 
 register()

@@ -1,0 +1,316 @@
+"""Sharded optimizer checkpoints on disk: the directory format, atomic writes, lazy reads.
+
+[Note: sharded checkpoint]
+A sharded checkpoint is a directory holding
+
+- ``hf_zero_optimizer.json``: the commit record (JSON): optimizer class, shard
+  mode, world size, every param's name, shape, dtype, group and trainability, the
+  param groups' hyperparameters and, per file, its size and the state pieces in it;
+- ``shard-<token>-rank<r>-of-<n>.safetensors``: the state rank ``r`` held, as
+  tensors named ``<param name>/<state key>/<start>-<stop>`` (element range of the
+  param), with no gather.
+
+A save writes its files under a fresh token and only then replaces the record
+(``os.replace``, after fsync): killed at any point, the directory holds either the
+previous record, whose files are untouched, or the new one, whose files are
+complete. Files of other tokens are removed after the commit. Loading reads on each
+rank the element ranges its next layout needs, from whichever files hold them:
+any world size, shard mode, bucket-view setting and trainable set. All ranks must
+see the directory (a shared filesystem, or world size 1).
+
+[Note: sharded reference]
+Trainer and Accelerate save an optimizer by ``torch.save(optimizer.state_dict())``
+on one process and load it with ``optimizer.load_state_dict(torch.load(...))`` on
+every process. To keep the state sharded on disk, an integration has every rank
+write it here and then makes ``state_dict()`` return a *reference* instead of the
+state until the state changes::
+
+    {"state": {}, "param_groups": [], "hf_zero_sharded": {"path": ..., "token": ..., ...}}
+
+(plain types: loads with ``torch.load(weights_only=True)``; a plain torch optimizer
+refuses it, since it has no param groups, rather than loading nothing). The
+``token`` identifies one save: a directory is used only if its commit record
+carries that token, so a moved checkpoint can be found by its new path and a newer
+save in the old path is never taken for it.
+
+This module knows nothing of the optimizer: it writes and reads holdings (see
+:mod:`hf_zero.state`) and records that the optimizer prepares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ._codec import decode, encode
+from .comm import Comm
+from .state import Holdings, dtype_from_name, unsplittable
+
+COMMIT_FILE = "hf_zero_optimizer.json"
+REFERENCE_KEY = "hf_zero_sharded"
+_FORMAT = "hf_zero.sharded_optimizer"
+_VERSION = 1
+_SHARD_RE = re.compile(r"^shard-([0-9a-f]+)-rank\d+-of-\d+\.safetensors$")
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a directory holding a committed sharded optimizer checkpoint."""
+    return os.path.isfile(os.path.join(path, COMMIT_FILE))
+
+
+def token_at(path: str | os.PathLike) -> str | None:
+    """The token of the committed sharded checkpoint in ``path``, or None."""
+    try:
+        with open(os.path.join(path, COMMIT_FILE)) as f:
+            return json.load(f).get("token")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def reference(info: dict) -> dict:
+    """The state dict that stands for the sharded checkpoint ``info`` describes."""
+    return {"state": {}, "param_groups": [], REFERENCE_KEY: dict(info)}
+
+
+def is_reference(state_dict: Any) -> bool:
+    return isinstance(state_dict, dict) and REFERENCE_KEY in state_dict
+
+
+def reference_info(state_dict: dict) -> dict:
+    """The ``{"path", "token", ...}`` of a reference; ``ValueError`` if malformed."""
+    ref = state_dict[REFERENCE_KEY]
+    if not (isinstance(ref, dict) and isinstance(ref.get("token"), str) and isinstance(ref.get("path"), str)):
+        raise ValueError(f"hf_zero: state_dict[{REFERENCE_KEY!r}] must be a dict with 'path' and 'token', got {ref!r}")
+    return dict(ref)
+
+
+# -- writing ------------------------------------------------------------------------
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomic(path: str, write: Callable[[str], None]) -> None:
+    """Call ``write(tmp)`` then fsync and rename ``tmp`` to ``path``: readers see all or nothing."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{secrets.token_hex(3)}")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def _pack(held: Holdings, labels: list[str]) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """This rank's holdings as safetensors tensors plus JSON entries describing them."""
+    tensors: dict[str, torch.Tensor] = {}
+    entries = []
+    seen: set[tuple[int, int]] = set()
+    for i, hs in sorted(held.items()):
+        for h in hs:
+            entry = {"param": i, "start": h.start, "stop": h.stop, "shape": list(h.shape), "state": {}}
+            for key, v in h.state.items():
+                if isinstance(v, torch.Tensor):
+                    name = f"{labels[i]}/{key}/{h.start}-{h.stop}"
+                    t = v.detach().contiguous()
+                    if t.numel() and (t.data_ptr(), t.numel()) in seen:
+                        t = t.clone()
+                    seen.add((t.data_ptr(), t.numel()))
+                    tensors[name] = t
+                    entry["state"][key] = {
+                        "tensor": name,
+                        "shape": list(t.shape),
+                        "dtype": str(t.dtype).removeprefix("torch."),
+                        "cpu": v.device.type == "cpu",
+                    }
+                else:
+                    entry["state"][key] = {"value": encode(v, f"state {key!r} of param {labels[i]}")}
+            entries.append(entry)
+    return tensors, entries
+
+
+def write(comm: Comm, path: str | os.PathLike, held: Holdings, labels: list[str], record: dict) -> str:
+    """Write this rank's ``held`` state; rank 0 commits ``record`` (plus the token and the
+    files). Collective; returns the token. Every rank must reach each exchange, so
+    errors are gathered and raised on every rank, and nothing is committed on failure."""
+    from safetensors.torch import save_file
+
+    path = os.fspath(path)
+    rank, ws = comm.rank, comm.world_size
+    token = comm.all_gather_object(secrets.token_hex(8) if rank == 0 else None)[0]
+    fname = f"shard-{token}-rank{rank:05d}-of-{ws:05d}.safetensors"
+    meta, err = None, None
+    try:
+        os.makedirs(path, exist_ok=True)
+        tensors, entries = _pack(held, labels)
+        target = os.path.join(path, fname)
+        write_atomic(target, lambda tmp: save_file(tensors, tmp, metadata={"format": _FORMAT}))
+        meta = {"rank": rank, "file": fname, "bytes": os.path.getsize(target), "holdings": entries}
+    except Exception as e:  # every rank must reach the exchange below
+        err = f"rank {rank}: {type(e).__name__}: {e}"
+    metas = comm.all_gather_object((err, meta))
+    errors = [e for e, _ in metas if e]
+    if errors:
+        raise RuntimeError("hf_zero: save_sharded failed, nothing was committed:\n  " + "\n  ".join(errors))
+    err = None
+    if rank == 0:
+        try:
+            full = {"format": _FORMAT, "version": _VERSION, "token": token, **record,
+                    "files": [m for _, m in metas]}
+            text = json.dumps(full, indent=1)
+            write_atomic(os.path.join(path, COMMIT_FILE), lambda tmp: _write_text(tmp, text))
+            _remove_stale(path, token)
+        except Exception as e:
+            err = f"rank 0: {type(e).__name__}: {e}"
+    errors = [e for e in comm.all_gather_object(err) if e]
+    if errors:
+        raise RuntimeError("hf_zero: save_sharded could not commit the checkpoint:\n  " + "\n  ".join(errors))
+    return token
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _remove_stale(path: str, token: str) -> None:
+    for entry in os.listdir(path):
+        m = _SHARD_RE.match(entry)
+        ours_tmp = entry.startswith((".shard-", f".{COMMIT_FILE}.tmp-")) and ".tmp-" in entry
+        if (m and m.group(1) != token) or ours_tmp:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(path, entry))
+
+
+@dataclass
+class _Piece:
+    file: str
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+    state: dict
+
+
+class Checkpoint:
+    """A committed sharded checkpoint, read lazily: only the ranges asked for."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        record_path = os.path.join(self.path, COMMIT_FILE)
+        if not os.path.isfile(record_path):
+            raise ValueError(
+                f"hf_zero: {self.path!r} holds no sharded optimizer checkpoint (no {COMMIT_FILE}); "
+                "was the save interrupted before its commit?"
+            )
+        with open(record_path) as f:
+            try:
+                record = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"hf_zero: {record_path!r} is not valid JSON: {e}") from None
+        if record.get("format") != _FORMAT or record.get("version") != _VERSION:
+            raise ValueError(
+                f"hf_zero: {record_path!r} is format {record.get('format')!r} version "
+                f"{record.get('version')!r}; this hf_zero reads {_FORMAT!r} version {_VERSION}"
+            )
+        self.record = record
+        self.params = record["params"]
+        self.pieces: dict[int, list[_Piece]] = {}
+        for f in record["files"]:
+            full = os.path.join(self.path, f["file"])
+            size = os.path.getsize(full) if os.path.isfile(full) else None
+            if size != f["bytes"]:
+                found = "missing" if size is None else f"{size} bytes"
+                raise ValueError(f"hf_zero: checkpoint file {full!r} is {found}, its commit record says {f['bytes']} bytes")
+            for h in f["holdings"]:
+                self.pieces.setdefault(h["param"], []).append(
+                    _Piece(f["file"], h["start"], h["stop"], tuple(h["shape"]), h["state"])
+                )
+        for ps in self.pieces.values():
+            ps.sort(key=lambda p: p.start)
+        self._stack = contextlib.ExitStack()
+        self._files: dict[str, Any] = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def label(self, j: int) -> str:
+        name = self.params[j]["name"]
+        return f"{name if name is not None else f'#{j}'} (shape {tuple(self.params[j]['shape'])})"
+
+    def _open(self, file: str):
+        if file not in self._files:
+            from safetensors import safe_open
+
+            self._files[file] = self._stack.enter_context(
+                safe_open(os.path.join(self.path, file), framework="pt", device="cpu")
+            )
+        return self._files[file]
+
+    def _tensor(self, piece: _Piece, spec: dict, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        f = self._open(piece.file)
+        if lo is None:
+            return f.get_tensor(spec["tensor"])
+        if len(spec["shape"]) == 1:
+            return f.get_slice(spec["tensor"])[lo:hi]
+        return f.get_tensor(spec["tensor"]).reshape(-1)[lo:hi]
+
+    def read(self, j: int, start: int, stop: int, piece_shape: tuple[int, ...]) -> dict | None:
+        """State of elements ``start:stop`` of saved param ``j``, stepped as ``piece_shape``; None if it has none."""
+        pieces = self.pieces.get(j)
+        if not pieces:
+            return None
+        numel = math.prod(self.params[j]["shape"])
+        over = [p for p in pieces if p.start < stop and p.stop > start]
+        covered = sum(min(stop, p.stop) - max(start, p.start) for p in over)
+        if covered != stop - start:
+            raise ValueError(
+                f"hf_zero: the checkpoint holds state for {covered} of elements {start}:{stop} of param "
+                f"{self.label(j)}: it is incomplete or corrupt"
+            )
+        keys = set(over[0].state)
+        if any(set(p.state) != keys for p in over):
+            raise ValueError(f"hf_zero: the pieces of param {self.label(j)} in the checkpoint hold different state keys")
+        out: dict[str, Any] = {}
+        for key, spec in over[0].state.items():
+            if "value" in spec:
+                out[key] = decode(spec["value"])
+                continue
+            shape = tuple(spec["shape"])
+            if not shape:
+                out[key] = self._tensor(over[0], spec)
+            elif shape == over[0].shape:
+                t = torch.empty(stop - start, dtype=dtype_from_name(spec["dtype"]))
+                for p in over:
+                    lo, hi = max(start, p.start), min(stop, p.stop)
+                    t[lo - start : hi - start].copy_(self._tensor(p, p.state[key], lo - p.start, hi - p.start))
+                out[key] = t.view(piece_shape)
+            else:
+                if not (start == 0 and stop == numel and over[0].start == 0 and over[0].stop == numel):
+                    raise unsplittable(key, self.label(j), shape)
+                out[key] = self._tensor(over[0], spec)
+        return out
+
+    def has_state(self) -> bool:
+        return bool(self.pieces)
+
+

@@ -1,0 +1,289 @@
+"""Shims: the only places hf_zero relies on torch / transformers / accelerate internals.
+
+Each shim exists because the library offers no public route for that need; each
+checks, when it is first used, that the internals it relies on are there and raises
+:class:`CompatError` naming the library and version otherwise (tests/test_compat.py
+runs every check, so an upgrade that breaks one fails loudly in CI).
+
+Everything that differs between the transformers versions setup.cfg allows (4.57.1 to
+5.24) is here too, one version-checked shim per need, each naming the versions it
+targets. CI runs tests/test_compat.py on both ends of that range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import weakref
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
+
+
+class CompatError(RuntimeError):
+    """A library changed underneath one of hf_zero's shims."""
+
+
+def _require(owner: Any, name: str, library: str) -> Any:
+    if not hasattr(owner, name):
+        version = getattr(__import__(library), "__version__", "?")
+        raise CompatError(
+            f"hf_zero: {library} {version} has no {getattr(owner, '__name__', owner)!r}.{name}, which hf_zero relies "
+            "on; please report this with your versions of hf_zero, torch, transformers and accelerate"
+        )
+    return getattr(owner, name)
+
+
+# -- torch ------------------------------------------------------------------------
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass ends.
+
+    No public torch API does this; DDP and FSDP use the same engine call.
+    """
+    import torch
+
+    engine = _require(torch.autograd.Variable, "_execution_engine", "torch")
+    engine.queue_callback(callback)
+
+
+# -- accelerate --------------------------------------------------------------------
+def prepared_optimizers(accelerator) -> list:
+    """The optimizers ``accelerator`` prepared, in its order (which names its files
+    ``optimizer.bin``, ``optimizer_1.bin``...). Accelerate keeps them in ``_optimizers``."""
+    return list(_require(accelerator, "_optimizers", "accelerate"))
+
+
+def prepared_models(accelerator) -> list:
+    """The models ``accelerator`` prepared (``_models``)."""
+    return list(_require(accelerator, "_models", "accelerate"))
+
+
+_AFTER_PREPARE = "_hf_zero_after_prepare"
+
+
+def after_prepare(accelerator_class: type, callback: Callable[[Any], Any]) -> None:
+    """Call ``callback(accelerator)`` after every ``prepare_model`` and
+    ``prepare_optimizer`` of ``accelerator_class`` (``prepare`` goes through them).
+    Accelerate has no hook there. Idempotent."""
+    for name in ("prepare_model", "prepare_optimizer"):
+        method = _require(accelerator_class, name, "accelerate")
+        if getattr(method, _AFTER_PREPARE, False):
+            continue
+
+        def wrap(method):
+            @functools.wraps(method)
+            def prepared(self, *args, **kwargs):
+                result = method(self, *args, **kwargs)
+                callback(self)
+                return result
+
+            setattr(prepared, _AFTER_PREPARE, True)
+            return prepared
+
+        setattr(accelerator_class, name, wrap(method))
+
+
+# -- transformers -------------------------------------------------------------------
+_CREATING: contextvars.ContextVar = contextvars.ContextVar("hf_zero_creating_trainer", default=None)
+_RESUMED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+_TRAINER_WRAPPED = "_hf_zero_wrapped"
+
+
+def creating_trainer():
+    """The Trainer whose ``create_optimizer`` is running (None outside it). Trainer
+    calls an optimizer factory with the model only; hf_zero needs the Trainer's
+    (possibly overridden) ``get_decay_parameter_names``."""
+    return _CREATING.get()
+
+
+def resumed_from(optimizer) -> str | None:
+    """The checkpoint directory the Trainer holding ``optimizer`` (or a wrapper of it)
+    loaded it from in the running ``train(resume_from_checkpoint=...)``, or None.
+    Trainer passes that directory to no callback."""
+    return _RESUMED.get(optimizer)
+
+
+def watch_trainer(trainer_class: type) -> None:
+    """Wrap ``create_optimizer`` (to expose :func:`creating_trainer`) and
+    ``_load_optimizer_and_scheduler(checkpoint)`` (to record :func:`resumed_from`).
+    Idempotent."""
+    create = _require(trainer_class, "create_optimizer", "transformers")
+    if not getattr(create, _TRAINER_WRAPPED, False):
+
+        @functools.wraps(create)
+        def create_optimizer(self, *args, **kwargs):
+            with _set(_CREATING, self):
+                return create(self, *args, **kwargs)
+
+        setattr(create_optimizer, _TRAINER_WRAPPED, True)
+        trainer_class.create_optimizer = create_optimizer
+
+    load = _require(trainer_class, "_load_optimizer_and_scheduler", "transformers")
+    if not getattr(load, _TRAINER_WRAPPED, False):
+
+        @functools.wraps(load)
+        def _load_optimizer_and_scheduler(self, checkpoint, *args, **kwargs):
+            opt = self.optimizer
+            for _ in range(8):  # the optimizer and whatever it wraps (Accelerate's wrapper)
+                if opt is None or not isinstance(checkpoint, str):
+                    break
+                _RESUMED[opt] = checkpoint
+                opt = getattr(opt, "optimizer", None)
+            return load(self, checkpoint, *args, **kwargs)
+
+        setattr(_load_optimizer_and_scheduler, _TRAINER_WRAPPED, True)
+        trainer_class._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+
+
+@contextlib.contextmanager
+def _set(var: contextvars.ContextVar, value) -> Iterator[None]:
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
+
+
+# -- transformers: what differs between versions -------------------------------------
+def _transformers_version() -> tuple[int, ...]:
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__).release
+
+
+# transformers 5.2.0 moved optimizer selection out of Trainer into
+# ``transformers.trainer_optimizer`` (one handler per ``OptimizerNames`` member).
+HANDLER_TABLE_SINCE = (5, 2, 0)
+# Trainer's rule for DDP's ``find_unused_parameters`` changed in these two releases.
+CHECKPOINTING_ARG_SINCE = (5, 4, 0)
+ACTIVATION_CHECKPOINTING_SINCE = (5, 23, 0)
+
+
+def has_optimizer_handler_table() -> bool:
+    """Whether the installed transformers dispatches optimizers through
+    ``transformers.trainer_optimizer._OPTIMIZER_HANDLERS`` (5.2.0 and later)."""
+    return _transformers_version() >= HANDLER_TABLE_SINCE
+
+
+def add_optimizer_name(value: str, *, member_name: str) -> None:
+    """Add ``member_name = value`` to ``transformers.training_args.OptimizerNames`` in place.
+
+    Every supported version (4.57.1 and later): ``TrainingArguments`` validates ``optim``
+    with ``OptimizerNames(self.optim)`` and ``HfArgumentParser`` takes the ``--optim``
+    choices from the enum's members; neither has a registry for new names. A real member
+    (not a string alias) validates, is listed among the choices of a parser built
+    afterwards, and survives ``to_dict``/JSON/pickle in any process that registered it.
+    Idempotent.
+    """
+    from transformers.training_args import OptimizerNames
+
+    value2member = _require(OptimizerNames, "_value2member_map_", "transformers")
+    if value in value2member:
+        return
+    member = str.__new__(OptimizerNames, value)
+    member._name_ = member_name
+    member._value_ = value
+    member.__objclass__ = OptimizerNames
+    type.__setattr__(OptimizerNames, member_name, member)
+    _require(OptimizerNames, "_member_map_", "transformers")[member_name] = member
+    value2member[value] = member
+    _require(OptimizerNames, "_member_names_", "transformers").append(member_name)
+
+
+# value -> handler, for versions without the handler table (answered by _legacy_dispatch)
+_LEGACY_HANDLERS: dict[str, Callable] = {}
+_ORIGINAL = "_hf_zero_original"
+
+
+def register_optimizer(value: str, handler: Callable[[Any], "tuple[Any, dict[str, Any]]"]) -> None:
+    """Make ``Trainer`` build its optimizer with ``handler`` when ``args.optim == value``.
+
+    ``handler(ctx)`` gets the context transformers 5.2+ builds (``args``, ``model``,
+    ``optimizer_kwargs`` = lr, ``adam_kwargs`` = betas/eps, ``optim_args`` = the parsed
+    ``args.optim_args``) and returns ``(factory class, kwargs)``: Trainer builds the
+    optimizer as ``factory_class()(model, **kwargs)``, so the factory sees the whole model.
+
+    - transformers >= 5.2.0: an entry in ``transformers.trainer_optimizer._OPTIMIZER_HANDLERS``,
+      the table ``Trainer.get_optimizer_cls_and_kwargs`` dispatches on; a handler returning
+      a non-Optimizer class is a factory there (``is_optimizer_factory``).
+    - transformers 4.57.x to 5.1.x: ``Trainer.get_optimizer_cls_and_kwargs`` is a static
+      method with a fixed if/elif chain. It is wrapped once: for ``value`` the wrapper calls
+      ``handler`` with the same context and returns ``(factory_class(), kwargs + {"model":
+      model})``, which ``Trainer.create_optimizer`` calls as ``factory(model, **kwargs)``
+      (its "model" override, there for LOMO); every other name goes to the original.
+
+    Neither has a public registry for optimizer names. Idempotent.
+    """
+    import transformers.trainer
+    from transformers.training_args import OptimizerNames
+
+    member = OptimizerNames(value)
+    if has_optimizer_handler_table():
+        import transformers.trainer_optimizer as trainer_optimizer
+
+        _require(trainer_optimizer, "_OPTIMIZER_HANDLERS", "transformers")[member] = handler
+        return
+    _LEGACY_HANDLERS[member.value] = handler
+    trainer = transformers.trainer.Trainer
+    current = _require(trainer, "get_optimizer_cls_and_kwargs", "transformers")
+    if getattr(current, _ORIGINAL, None) is None:
+        trainer.get_optimizer_cls_and_kwargs = staticmethod(_legacy_dispatch(current))
+
+
+def _legacy_dispatch(original: Callable) -> Callable:
+    import torch
+
+    @functools.wraps(original)
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        optim = getattr(args.optim, "value", args.optim)
+        handler = _LEGACY_HANDLERS.get(optim)
+        if handler is None:
+            return original(args, model)
+        optim_args = {}
+        if args.optim_args:  # parsed as transformers 4.57 and 5.2 parse it
+            for mapping in args.optim_args.replace(" ", "").split(","):
+                key, val = mapping.split("=")
+                optim_args[key] = val
+        ctx = SimpleNamespace(
+            args=args,
+            model=model,
+            optimizer_kwargs={"lr": args.learning_rate},
+            adam_kwargs={"betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon},
+            optim_args=optim_args,
+        )
+        cls, kwargs = handler(ctx)
+        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+            return cls, kwargs
+        kwargs = dict(kwargs)
+        if model is not None:
+            kwargs["model"] = model
+        return cls(), kwargs
+
+    setattr(get_optimizer_cls_and_kwargs, _ORIGINAL, original)
+    return get_optimizer_cls_and_kwargs
+
+
+def ddp_find_unused_parameters(args, model) -> bool:
+    """The ``find_unused_parameters`` Trainer gives DDP for ``model`` under ``args``.
+
+    Trainer computes it inline when it builds DDP and keeps it nowhere. For a
+    ``PreTrainedModel`` without ``ddp_find_unused_parameters`` it is False while activation
+    (gradient) checkpointing is on, read from version-dependent names:
+
+    - transformers >= 5.23.0: ``model.is_activation_checkpointing or args.activation_checkpointing``;
+    - 5.4.0 to 5.22.x: ``model.is_gradient_checkpointing or args.gradient_checkpointing``;
+    - 4.57.x to 5.3.x: ``model.is_gradient_checkpointing``.
+    """
+    import transformers
+
+    if args.ddp_find_unused_parameters is not None:
+        return bool(args.ddp_find_unused_parameters)
+    if not isinstance(model, transformers.PreTrainedModel):
+        return True
+    version = _transformers_version()
+    if version >= ACTIVATION_CHECKPOINTING_SINCE:
+        return not (model.is_activation_checkpointing or args.activation_checkpointing)
+    if version >= CHECKPOINTING_ARG_SINCE:
+        return not (model.is_gradient_checkpointing or args.gradient_checkpointing)
+    return not model.is_gradient_checkpointing

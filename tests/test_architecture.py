@@ -1,0 +1,129 @@
+"""The package's shape: imports run one way, no module touches another's private
+attributes, no stack-frame reading. docs/architecture.md explains the layers."""
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hf_zero"
+
+# Lowest first: a module may import only modules listed before it.
+LAYERS = [
+    "layout",
+    "comm",
+    "state",
+    "_codec",
+    "_statedict",
+    "_sharded",
+    "_offline",
+    "optimizer",
+    "planner",
+    "integrations",
+    "integrations._compat",
+    "integrations._backward",
+    "integrations.accelerate",
+    "integrations.transformers",
+    "_autoload",
+    "cli",
+    "",  # hf_zero/__init__.py
+]
+# namedtuple's public methods start with an underscore.
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make"}
+# Where reaching into torch / transformers / accelerate internals is allowed: the shims.
+SHIMS = {"integrations._compat"}
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        out[".".join(parts)] = ast.parse(path.read_text(), str(path))
+    return out
+
+
+def _imports(name: str, tree: ast.Module) -> set[str]:
+    """hf_zero modules ``name`` imports, anywhere in it (functions included)."""
+    package = name.split(".")[:-1] if not _is_package(name) else name.split(".") if name else []
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = base + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == "hf_zero":
+                target = node.module.split(".")[1:]
+            else:
+                continue
+            for alias in node.names:
+                sub = ".".join(target + [alias.name])
+                found.add(sub if _exists(sub) else ".".join(target))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "hf_zero":
+                    found.add(".".join(alias.name.split(".")[1:]))
+    return found
+
+
+def _is_package(name: str) -> bool:
+    return (PACKAGE / name.replace(".", "/") / "__init__.py").exists() if name else True
+
+
+def _exists(name: str) -> bool:
+    path = PACKAGE / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+MODULES = _modules()
+
+
+def test_every_module_has_a_layer():
+    assert set(MODULES) - set(LAYERS) == set(), "place new modules in LAYERS (and docs/architecture.md)"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_run_one_way(name):
+    mine = LAYERS.index(name)
+    upward = sorted(t for t in _imports(name, MODULES[name]) if t != name and LAYERS.index(t) >= mine)
+    assert upward == [], f"hf_zero.{name or '__init__'} imports modules at or above its layer: {upward}"
+
+
+def test_import_graph_is_acyclic():
+    graph = {name: _imports(name, tree) - {name} for name, tree in MODULES.items()}
+    state: dict[str, int] = {}
+
+    def visit(node, path):
+        if state.get(node) == 1:
+            raise AssertionError("import cycle: " + " -> ".join(path + [node]))
+        if state.get(node) == 2:
+            return
+        state[node] = 1
+        for nxt in graph.get(node, ()):
+            visit(nxt, path + [node])
+        state[node] = 2
+
+    for name in graph:
+        visit(name, [])
+
+
+@pytest.mark.parametrize("name", sorted(set(MODULES) - SHIMS))
+def test_no_private_attribute_of_another_object(name):
+    """``x._y`` only on ``self``/``cls``: other objects are reached through public methods,
+    and library internals only through the shims in integrations/_compat.py."""
+    bad = [
+        f"line {node.lineno}: {ast.unparse(node)}"
+        for node in ast.walk(MODULES[name])
+        if isinstance(node, ast.Attribute)
+        and re.match(r"^_[a-zA-Z]", node.attr)
+        and not node.attr.startswith("__")
+        and node.attr not in NAMEDTUPLE_API
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+    ]
+    assert bad == [], f"hf_zero.{name}: private attributes of other objects: {bad}"
+
+
+def test_no_stack_frame_reading():
+    text = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    assert not re.search(r"_getframe|currentframe|inspect\.stack|\bf_locals\b|\bf_back\b", text)

@@ -1,0 +1,156 @@
+"""hf_zero.integrations._compat: each shim's private names exist in the installed libraries.
+
+These tests are meant to fail first, and loudly, when a torch / transformers / accelerate
+release moves something a shim relies on. CI runs them on the newest and on the oldest
+transformers and accelerate setup.cfg allows.
+"""
+
+import dataclasses
+import enum
+import importlib.util
+import inspect
+
+import pytest
+import torch
+import transformers
+import transformers.trainer
+from transformers import Trainer, TrainingArguments
+from transformers.training_args import OptimizerNames
+
+import hf_zero
+from hf_zero.integrations import _compat
+from hf_zero.integrations import transformers as hf_tr
+from tests.hf_trainer_cases import tiny_bert
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+VERSION = _compat._transformers_version()
+TABLE = _compat.has_optimizer_handler_table()
+
+
+def _args(tmp_path, **kw):
+    return TrainingArguments(str(tmp_path), report_to=[], use_cpu=True, **kw)
+
+
+def test_installed_version_is_in_the_declared_range():
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    spec = next(Requirement(r) for r in requires("hf_zero") if Requirement(r).name == "transformers")
+    assert transformers.__version__ in spec.specifier, (transformers.__version__, str(spec))
+
+
+def test_unversioned_shims_find_what_they_rely_on(tmp_path):
+    """The names the torch / accelerate / Trainer shims reach, checked as each shim checks them."""
+    from accelerate import Accelerator
+
+    assert hasattr(torch.autograd.Variable._execution_engine, "queue_callback")
+    for name in ("prepare_model", "prepare_optimizer"):
+        assert callable(getattr(Accelerator, name)), name
+    accelerator = Accelerator(cpu=True)
+    assert _compat.prepared_optimizers(accelerator) == [] and _compat.prepared_models(accelerator) == []
+    assert list(inspect.signature(Trainer._load_optimizer_and_scheduler).parameters)[:2] == ["self", "checkpoint"]
+
+    class HeadDecayOnly(Trainer):
+        def get_decay_parameter_names(self, model):
+            return ["classifier.weight"]
+
+    # The factory reaches the Trainer that is creating it (creating_trainer), so its rules apply.
+    opt = HeadDecayOnly(model=tiny_bert(), args=_args(tmp_path, optim="zero_bucket")).create_optimizer()
+    assert opt.param_groups[0]["param_names"] == ["classifier.weight"]
+    assert _compat.creating_trainer() is None
+
+
+def test_version_gates_agree_with_what_is_installed():
+    has_table = importlib.util.find_spec("transformers.trainer_optimizer") is not None
+    assert has_table == TABLE, f"transformers {transformers.__version__}: trainer_optimizer present={has_table}"
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    if VERSION >= _compat.ACTIVATION_CHECKPOINTING_SINCE:
+        assert "activation_checkpointing" in fields
+        assert isinstance(inspect.getattr_static(transformers.PreTrainedModel, "is_activation_checkpointing"), property)
+    else:
+        assert isinstance(inspect.getattr_static(transformers.PreTrainedModel, "is_gradient_checkpointing"), property)
+        if VERSION >= _compat.CHECKPOINTING_ARG_SINCE:
+            assert "gradient_checkpointing" in fields
+
+
+def test_optimizer_names_is_the_str_enum_add_optimizer_name_extends():
+    assert issubclass(OptimizerNames, str) and issubclass(OptimizerNames, enum.Enum)
+    for name in ("_value2member_map_", "_member_map_"):
+        assert isinstance(getattr(OptimizerNames, name), dict), name
+    assert isinstance(OptimizerNames._member_names_, list)
+    # TrainingArguments validates optim through the enum (the reason for the shim).
+    assert "OptimizerNames(self.optim)" in inspect.getsource(TrainingArguments.__post_init__)
+    member = OptimizerNames(hf_tr.OPTIM_NAME)
+    assert member is OptimizerNames.ZERO_BUCKET and member in list(OptimizerNames)
+
+
+def test_optimizer_dispatch_the_shim_relies_on():
+    create = inspect.getsource(Trainer.create_optimizer)
+    assert "self.get_optimizer_cls_and_kwargs(self.args, opt_model)" in create
+    if TABLE:
+        import transformers.trainer_optimizer as trainer_optimizer
+
+        assert isinstance(trainer_optimizer._OPTIMIZER_HANDLERS, dict)
+        assert all(isinstance(k, OptimizerNames) for k in trainer_optimizer._OPTIMIZER_HANDLERS)
+        assert trainer_optimizer._OPTIMIZER_HANDLERS[OptimizerNames.ZERO_BUCKET] is hf_tr._handler
+        assert "_OPTIMIZER_HANDLERS.get(args.optim)" in inspect.getsource(Trainer.get_optimizer_cls_and_kwargs)
+        assert trainer_optimizer.is_optimizer_factory(hf_tr.ZeroBucketFactory)
+        assert "optimizer_cls()(opt_model, **optimizer_kwargs)" in create
+    else:
+        assert isinstance(Trainer.__dict__["get_optimizer_cls_and_kwargs"], staticmethod)
+        assert getattr(Trainer.get_optimizer_cls_and_kwargs, _compat._ORIGINAL) is not None
+        assert 'optimizer_grouped_parameters = optimizer_kwargs.pop("model")' in create
+
+
+def test_registered_name_dispatches_to_the_factory_and_others_are_untouched(tmp_path):
+    model = tiny_bert()
+    args = _args(tmp_path, optim="zero_bucket", learning_rate=3e-3, adam_beta1=0.8, weight_decay=0.05,
+                 optim_args="inner=adam,shard=param")
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    if TABLE:
+        assert cls is hf_tr.ZeroBucketFactory and "model" not in kwargs
+    else:
+        assert isinstance(cls, hf_tr.ZeroBucketFactory) and kwargs.pop("model") is model
+    assert kwargs["optimizer_class"] is torch.optim.Adam and kwargs["shard"] == "param"
+    assert (kwargs["lr"], kwargs["betas"][0], kwargs["weight_decay"]) == (3e-3, 0.8, 0.05)
+    assert isinstance(Trainer(model=model, args=args).create_optimizer(), hf_zero.ZeroBucketOptimizer)
+    for name, want in (("adamw_torch", torch.optim.AdamW), ("sgd", torch.optim.SGD), ("adafactor", hf_tr.Adafactor)):
+        got, _ = Trainer.get_optimizer_cls_and_kwargs(_args(tmp_path, optim=name), model)
+        assert got is want, name
+
+
+def test_registering_again_changes_nothing():
+    dispatch = Trainer.__dict__["get_optimizer_cls_and_kwargs"]
+    table = None
+    if TABLE:
+        import transformers.trainer_optimizer as trainer_optimizer
+
+        table = dict(trainer_optimizer._OPTIMIZER_HANDLERS)
+    members = list(OptimizerNames)
+    hf_tr.register()
+    hf_tr.register()
+    assert Trainer.__dict__["get_optimizer_cls_and_kwargs"] is dispatch
+    assert list(OptimizerNames) == members
+    if TABLE:
+        assert dict(trainer_optimizer._OPTIMIZER_HANDLERS) == table
+
+
+def test_ddp_find_unused_parameters_follows_trainers_rule_for_this_version(tmp_path):
+    source = inspect.getsource(transformers.trainer)
+    if VERSION >= _compat.ACTIVATION_CHECKPOINTING_SINCE:
+        rule = "not (self.model.is_activation_checkpointing or self.args.activation_checkpointing)"
+    elif VERSION >= _compat.CHECKPOINTING_ARG_SINCE:
+        rule = "not (self.model.is_gradient_checkpointing or self.args.gradient_checkpointing)"
+    else:
+        rule = "not model.is_gradient_checkpointing"
+    assert rule in source, f"transformers {transformers.__version__} changed how Trainer picks find_unused_parameters"
+
+    model = tiny_bert()
+    assert _compat.ddp_find_unused_parameters(_args(tmp_path), model) is True
+    assert _compat.ddp_find_unused_parameters(_args(tmp_path, ddp_find_unused_parameters=False), model) is False
+    assert _compat.ddp_find_unused_parameters(_args(tmp_path), torch.nn.Linear(2, 2)) is True
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert _compat.ddp_find_unused_parameters(_args(tmp_path), model) is False
+    assert _compat.ddp_find_unused_parameters(_args(tmp_path, ddp_find_unused_parameters=True), model) is True
