@@ -1,35 +1,32 @@
-"""Makes ``optim="zero_bucket"`` known to transformers in any process, unmodified scripts included.
+"""Registers hf_zero with transformers in any process, unmodified scripts included.
 
 ``hf_zero_autoload.pth`` (installed next to this module by ``pip install``, regular or
 editable) calls :func:`start` at interpreter start; ``import hf_zero`` calls
-:func:`install`. Either way nothing heavy is imported here: the hook waits for
-transformers' own modules and, once each has finished executing, registers hf_zero:
+:func:`install`. Nothing heavy is imported here: a meta-path finder waits for the
+watched modules and, once each has finished executing, calls its function in
+:mod:`hf_zero._autoload` (what is registered is described there):
 
-- ``transformers.training_args``: ``zero_bucket`` becomes an ``OptimizerNames`` member,
-  so ``HfArgumentParser`` (``--optim`` choices are fixed when a parser is built), JSON
-  args and an unpickled ``training_args.bin`` accept it;
-- ``transformers.trainer``: the Trainer handler and ``ZeroBucketCallback`` are registered
-  (:func:`hf_zero.integrations.transformers.register`);
-- ``accelerate.accelerator``: every ``Accelerator`` that prepares a ZeroBucketOptimizer is
-  wired for it (:func:`hf_zero.integrations.accelerate.register`).
+- ``transformers.training_args`` and ``transformers.trainer``, from interpreter start:
+  ``optim="zero_bucket"`` is a string, so a script can use it without importing hf_zero;
+- ``accelerate.accelerator``, once hf_zero is imported: an Accelerate loop builds a
+  ZeroBucketOptimizer itself, so it imports hf_zero.
 
 ``HF_ZERO_AUTOLOAD=0`` turns the start-up hook off; ``import hf_zero`` still registers.
 This module lives outside the ``hf_zero`` package so that interpreter start imports no
-``hf_zero`` module: which ``hf_zero`` a process uses is decided by its own ``sys.path``.
+``hf_zero`` module: which ``hf_zero`` a process uses is decided by its own ``sys.path``
+(the script's directory is not on it yet when ``.pth`` files run).
 """
 
 import os
 import sys
 
 ENV_VAR = "HF_ZERO_AUTOLOAD"
+TARGET = "hf_zero._autoload"
 
-# transformers module -> (hf_zero module, function) to call once it has finished executing
-_REGISTRATIONS = {
-    "transformers.training_args": ("hf_zero.integrations._optim_name", "register"),
-    "transformers.trainer": ("hf_zero.integrations.transformers", "register"),
-    "accelerate.accelerator": ("hf_zero.integrations.accelerate", "register"),
-}
-_pending: set = set()  # watched modules whose registration has not run yet
+# watched module -> the function of TARGET to call once it has finished executing
+_AT_START = {"transformers.training_args": "optim_name", "transformers.trainer": "trainer"}
+_WITH_HF_ZERO = {"accelerate.accelerator": "accelerator"}
+_pending: dict = {}  # watched modules whose registration has not run yet -> function name
 
 
 def enabled() -> bool:
@@ -38,46 +35,47 @@ def enabled() -> bool:
 
 
 def start() -> None:
-    """Interpreter-start entry point (the ``.pth`` line): :func:`install` unless turned off."""
+    """Interpreter-start entry point (the ``.pth`` line): watch transformers unless turned off."""
     if enabled():
-        install()
+        _watch(_AT_START)
 
 
 def install() -> None:
-    """Register with every watched transformers module now if it is loaded, else when it is. Idempotent."""
-    for name in _REGISTRATIONS:
+    """``import hf_zero``'s entry point: watch transformers and accelerate. Idempotent."""
+    _watch({**_AT_START, **_WITH_HF_ZERO})
+
+
+def _watch(registrations: dict) -> None:
+    """Register now for each module already loaded, otherwise once it is."""
+    for name, function in registrations.items():
         module = sys.modules.get(name)
         if module is None:
-            _pending.add(name)
+            _pending[name] = function
         elif not _executing(module):
-            _register(name)
+            _register(name, function)
         # else: it is executing right now, past the finder; nothing can hook it any more
     if _pending and _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
 
 
-def _register(name: str) -> None:
-    """Run the registration for ``name`` once it has executed. A failure warns and leaves
-    ``zero_bucket`` unknown: it must not break a process that merely imports transformers."""
-    _pending.discard(name)
-    module_name, function = _REGISTRATIONS[name]
-    if _executing(sys.modules.get(module_name)):
-        return  # that module is importing transformers' module right now; importing it registers
+def _register(name: str, function: str) -> None:
+    """Call ``TARGET.function`` for ``name``, which has executed. A failure warns and leaves
+    hf_zero unregistered: it must not break a process that merely imports transformers."""
+    _pending.pop(name, None)
     try:
-        getattr(__import__(module_name, fromlist=[function]), function)()
-    except Exception as exc:  # noqa: BLE001 - reported, and the process goes on without zero_bucket
+        getattr(__import__(TARGET, fromlist=[function]), function)()
+    except Exception as exc:  # noqa: BLE001 - reported, and the process goes on without hf_zero
         import warnings
 
         warnings.warn(
             f"hf_zero could not register with {name} ({type(exc).__name__}: {exc}); optim='zero_bucket' "
-            f"or the Accelerate wiring may be unavailable in this process. Set {ENV_VAR}=0 to skip this "
-            "start-up hook.",
+            f"may be unavailable in this process. Set {ENV_VAR}=0 to skip this start-up hook.",
             RuntimeWarning,
         )
 
 
 def _executing(module) -> bool:
-    """Whether ``module`` is in sys.modules but still executing (set by importlib while it runs)."""
+    """Whether ``module`` is in sys.modules but still executing (importlib's own flag for it)."""
     return module is not None and bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
@@ -98,7 +96,7 @@ class _Loader:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
         if self._name in _pending:
-            _register(self._name)
+            _register(self._name, _pending[self._name])
 
     def __getattr__(self, attr):  # get_source, get_filename, is_package, ...
         return getattr(self._loader, attr)
@@ -106,7 +104,7 @@ class _Loader:
 
 class _Finder:
     """Meta-path finder for the watched modules only: asks the other finders for the spec
-    and wraps its loader. Every other import costs one set lookup."""
+    and wraps its loader. Every other import costs one dict lookup."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in _pending:

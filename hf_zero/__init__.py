@@ -5,8 +5,9 @@ public name loads its module on first use. The core (this package minus
 ``integrations``) imports without transformers or accelerate.
 
 With hf_zero installed, ``optim="zero_bucket"`` works in any process without importing
-hf_zero (see ``_hf_zero_autoload``); importing it also registers, even with
-``HF_ZERO_AUTOLOAD=0``.
+hf_zero (see ``_hf_zero_autoload``). Importing it registers too, even with
+``HF_ZERO_AUTOLOAD=0``, and wires every ``Accelerator`` that prepares a
+ZeroBucketOptimizer (see :mod:`hf_zero._autoload`), whichever is imported first.
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ LAYERS = [
     "planner",
     "integrations",
     "integrations._compat",
-    "integrations._optim_name",
     "integrations._backward",
     "integrations.accelerate",
     "integrations.transformers",
+    "_autoload",
     "cli",
     "",  # hf_zero/__init__.py
 ]

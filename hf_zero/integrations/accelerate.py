@@ -4,8 +4,8 @@ explicit form and to turn on sharded checkpoints).
 
 The wiring runs after every ``Accelerator.prepare_model`` / ``prepare_optimizer``
 (which ``prepare`` calls too), so the model and the optimizer may be prepared in any
-order or in separate calls. :func:`register` wraps those two methods when
-``accelerate.accelerator`` is imported (``_hf_zero_autoload``).
+order or in separate calls. :func:`install` wraps those two methods when
+``accelerate.accelerator`` is imported (:mod:`hf_zero._autoload`).
 """
 
 from __future__ import annotations
@@ -99,13 +99,11 @@ def prepare_accelerator(accelerator, *, sharded_checkpoints: bool = False) -> No
     _WIRED[accelerator].sharded_checkpoints = bool(sharded_checkpoints)
 
 
-def register() -> None:
-    """Wire every ``accelerate.Accelerator`` after each ``prepare_model`` /
-    ``prepare_optimizer``. Idempotent; run when ``accelerate.accelerator`` is imported
-    (see ``_hf_zero_autoload``)."""
-    from accelerate.accelerator import Accelerator
-
-    _compat.after_prepare(Accelerator, _wire)
+def install(accelerator_class) -> None:
+    """Wire every ``accelerator_class`` instance after each ``prepare_model`` /
+    ``prepare_optimizer``. Idempotent; :mod:`hf_zero._autoload` calls it when
+    ``accelerate.accelerator`` has been imported."""
+    _compat.after_prepare(accelerator_class, _wire)
 
 
 def _wire(accelerator) -> bool:

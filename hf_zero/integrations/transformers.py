@@ -1,8 +1,8 @@
 """Transformers Trainer integration: ``optim="zero_bucket"`` and :class:`ZeroBucketCallback`.
 
 Importing this module registers the optimizer name and adds the callback to
-``transformers.trainer.DEFAULT_CALLBACKS`` (idempotent). ``_hf_zero_autoload`` does it
-as soon as ``transformers.trainer`` is imported, in any process with hf_zero installed.
+``transformers.trainer.DEFAULT_CALLBACKS`` (idempotent). With hf_zero installed that
+happens as soon as a process imports ``transformers.trainer`` (``hf_zero/_autoload.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from transformers import TrainerCallback
 from transformers.optimization import Adafactor
 
 from ..optimizer import ZeroBucketOptimizer
-from . import _compat
+from . import OPTIM_MEMBER, OPTIM_NAME, _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
-from ._optim_name import OPTIM_NAME
 from .accelerate import ours
 
 logger = logging.getLogger(__name__)
@@ -182,7 +181,7 @@ def _check_parallel(args) -> None:
 
 def register() -> None:
     """Register ``optim="zero_bucket"`` and the default callback. Idempotent."""
-    _compat.add_optimizer_name(OPTIM_NAME, member_name="ZERO_BUCKET")
+    _compat.add_optimizer_name(OPTIM_NAME, member_name=OPTIM_MEMBER)
     _compat.register_optimizer(OPTIM_NAME, _handler)
     _compat.watch_trainer(transformers.Trainer)
     if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
