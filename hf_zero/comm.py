@@ -50,6 +50,13 @@ class Comm:
             for r in range(self.world_size)
         ]
 
+    def same_group(self, process_group) -> bool:
+        """Whether ``process_group`` (None: the world) has exactly this group's ranks, in order."""
+        if not self.enabled:
+            return process_group is None
+        other = process_group if process_group is not None else dist.group.WORLD
+        return dist.get_process_group_ranks(other) == self._globals
+
     @property
     def device(self) -> torch.device:
         """Where small control tensors live for this backend."""
