@@ -29,7 +29,9 @@ one does every rank gets a NaN written into the same grad element: GradScaler's
 
 Only the last backward before a step may sync (DDP's ``no_sync()`` for the others):
 a second syncing backward would add new local grads to already reduce-scattered ones,
-which no reduction can undo, so it raises instead.
+which no reduction can undo, so it raises instead. ``optimizer.step()``,
+``optimizer.zero_grad()`` and a backward whose grads are non-finite (GradScaler skips
+the step) end the window.
 """
 
 from __future__ import annotations
@@ -65,8 +67,10 @@ class BucketReducer:
         scattered, self.seen, self.scattered = self.scattered, {}, []
         if opt is None:
             return
-        if scattered:
-            _agree_on_finite(opt, scattered)
+        if scattered and not _agree_on_finite(opt, scattered):
+            # Every rank's GradScaler skips this step (no optimizer.step()); what the grads
+            # hold no longer matters, so the next syncing backward is not an error.
+            self.reduced_since_step.clear()
         if self.last is None or structure == self.last:
             opt.plan_with_ddp_buckets(structure)
         self.last = structure
@@ -118,16 +122,19 @@ def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annot
     return opt.comm.reduce_scatter_(buffer, bounds)
 
 
-def _agree_on_finite(opt, owned: list[torch.Tensor]) -> None:
-    """Make GradScaler's inf check agree on every rank (see the module note). ``owned``:
-    this rank's range of each reduce-scattered bucket (DDP keeps the hook's result there)."""
+def _agree_on_finite(opt, owned: list[torch.Tensor]) -> bool:
+    """Make GradScaler's inf check agree on every rank (see the module note); returns
+    whether all grads are finite. ``owned``: this rank's range of each reduce-scattered
+    bucket (DDP keeps the hook's result there)."""
     local = torch.zeros((), dtype=torch.float32, device=opt.comm.device)
     for g in owned:
         if not torch.isfinite(g).all():
             local.fill_(1)
             break
-    if opt.comm.all_reduce_(local, op="max", what="agreeing on non-finite gradients").item() > 0:
-        for p in opt.params:  # the same param on every rank: grads are present alike everywhere
-            if p.requires_grad and p.grad is not None and p.grad.numel():
-                p.grad.view(-1)[0] = float("nan")
-                break
+    if opt.comm.all_reduce_(local, op="max", what="agreeing on non-finite gradients").item() == 0:
+        return True
+    for p in opt.params:  # the same param on every rank: grads are present alike everywhere
+        if p.requires_grad and p.grad is not None and p.grad.numel():
+            p.grad.view(-1)[0] = float("nan")
+            break
+    return False

@@ -170,3 +170,133 @@ def test_reduce_scatter_matches_reference(name, world_size):
         # The bucket structure is confirmed by the second backward (the fourth where DDP
         # rebuilds its buckets after the first iteration); every later one reduce-scatters.
         assert r["scattered"] >= STEPS - (3 if not case.find_unused else 1), r["scattered"]
+
+
+# -- misuse and fallbacks ---------------------------------------------------------------------
+def _two_syncing_backwards(rank, world_size):
+    model = build_model("mlp")
+    opt = make_zero(Setup(), model, grad_reduce="reduce_scatter")
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_MB)
+    opt.bind_ddp(ddp)
+    for step in range(2):  # the second backward reduce-scatters: the structure is confirmed
+        ddp(*shard_of(model.batch(step, BATCH * world_size), rank)).backward()
+        opt.step()
+        opt.zero_grad()
+    batch = shard_of(model.batch(5, BATCH * world_size), rank)
+    ddp(*batch).backward()
+    try:
+        ddp(*batch).backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_second_syncing_backward_before_step_is_a_clear_error_on_every_rank():
+    messages = run_ranks(_two_syncing_backwards, 2, timeout=100)
+    assert all("second gradient-syncing backward before optimizer.step()" in m and "no_sync()" in m
+               for m in messages), messages
+
+
+def _with_users_hook(rank, world_size, case: Case):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    logged = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            logged.append(record.getMessage())
+
+    logging.getLogger("hf_zero.optimizer").addHandler(Catch())
+    model = build_model(case.setup.model)
+    opt = make_zero(case.setup, model, grad_reduce="reduce_scatter")
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_MB)
+    ddp.register_comm_hook(dist.group.WORLD, allreduce_hook)
+    opt.bind_ddp(ddp)
+    _loop(case, model, opt, ddp, world_size=world_size, rank=rank)
+    return params_of(model), opt.grad_reduce, logged
+
+
+@pytest.mark.timeout(120)
+def test_a_users_comm_hook_keeps_ddps_all_reduce_with_a_logged_reason():
+    case = Case(Setup(), clip_norm=0.05)
+    per_rank = run_ranks(_with_users_hook, 2, case, timeout=100)
+    ref_params, _, _ = _reference(case, 2)
+    assert_replicas_identical([r[0] for r in per_rank])
+    assert_params_equal(per_rank[0][0], ref_params)
+    for _, grad_reduce, logged in per_rank:
+        assert grad_reduce == "all_reduce"
+        assert any("grad_reduce='reduce_scatter' is off" in m and "communication hook" in m for m in logged), logged
+
+
+def test_bad_gradient_path_arguments_are_named():
+    from hf_zero import ZeroBucketOptimizer
+
+    model = build_model("mlp")
+    with pytest.raises(ValueError, match="grad_reduce must be one of"):
+        ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, grad_reduce="scatter-ish")
+    opt = ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW)
+    with pytest.raises(TypeError, match="bind_ddp needs a torch.nn.parallel.DistributedDataParallel"):
+        opt.bind_ddp(model)
+    with pytest.raises(ValueError, match="clip_grad_norm_: a param of shape"):
+        opt.clip_grad_norm_(1.0, parameters=[torch.nn.Parameter(torch.ones(2))])
+
+
+# -- fp16: GradScaler's skip decision agrees on every rank --------------------------------------
+INF_STEP = 3
+
+
+def _fp16(rank, world_size, sharded: bool, data_ranks: int):
+    """float32 MLP, CPU GradScaler; at INF_STEP the last rank alone gets an inf in one element
+    of net.0.weight that another rank owns (reduce-scatter) or everyone reduces (reference)."""
+    model = build_model("mlp", torch.float32)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    if sharded:
+        opt = make_zero(Setup(), model, grad_reduce="reduce_scatter")
+        ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_MB)
+        opt.bind_ddp(ddp)
+    else:
+        opt, ddp = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1), model
+    target = model.net[0].weight
+    owners, scales = [], []
+    for step in range(STEPS):
+        handle = None
+        if step == INF_STEP and rank == world_size - 1:  # the reference: its only rank
+            element = 0
+            if sharded:  # an element of net.0.weight owned by another rank
+                index = opt.param_index(target)
+                pieces = [(r, pc) for r in range(world_size) for pc in opt.layout.pieces(r) if pc.index == index]
+                r, pc = next((r, pc) for r, pc in pieces if r != rank)
+                owners.append(r)
+                element = pc.start
+
+            def poison(g, element=element):
+                g = g.clone()
+                g.view(-1)[element] = float("inf")
+                return g
+
+            handle = target.register_hook(poison)
+        batch = model.batch(step, BATCH * data_ranks)
+        batch = shard_of(batch, rank) if sharded else batch
+        scaler.scale(ddp(*batch)).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+    model.state_dict()
+    return params_of(model), scales, owners
+
+
+@pytest.mark.timeout(200)
+def test_fp16_skip_agrees_at_four_ranks_with_an_inf_on_one_rank_in_another_ranks_range():
+    per_rank = run_ranks(_fp16, 4, True, 4, timeout=180)
+    (ref_params, ref_scales, _), = run_ranks(_fp16, 1, False, 4, timeout=60)
+    assert per_rank[-1][2] and per_rank[-1][2][0] != 3, "the inf must fall in another rank's range"
+    assert ref_scales[INF_STEP] == ref_scales[INF_STEP - 1] / 2, "the premise: the reference skips that step"
+    for params, scales, _ in per_rank:
+        assert scales == ref_scales
+    assert_replicas_identical([r[0] for r in per_rank])
+    assert_params_equal(per_rank[0][0], ref_params)
