@@ -423,6 +423,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         *,
         grad_reduce_default: str = "all_reduce",
         overlap_default: bool = False,
+        syncs_every_backward: bool = False,
     ) -> None:
         """Tell the optimizer about the DDP wrapping its params. Call on every rank right
         after building DDP, before its first backward (the integrations do).
@@ -432,7 +433,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         DDP comm hook that reduce-scatters the grads (falling back, with a logged reason,
         to DDP's all-reduce when DDP already has a comm hook or a different process
         group); with ``overlap_param_sync`` it hooks the wrapped module's forwards.
-        ``grad_reduce_default`` / ``overlap_default`` resolve ``"auto"`` / ``None``.
+        ``grad_reduce_default`` / ``overlap_default`` resolve ``"auto"`` / ``None``;
+        ``syncs_every_backward`` (gradient accumulation that syncs every micro-batch)
+        keeps DDP's all-reduce, which such accumulation needs. Idempotent.
         """
         if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(f"bind_ddp needs a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
@@ -451,7 +454,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if self.grad_reduce != "reduce_scatter" or self._reducer is not None or self._comm.world_size == 1:
             return
         reason = None
-        if not self._comm.same_group(ddp.process_group):
+        if syncs_every_backward:
+            reason = "gradient accumulation syncs every micro-batch (sync_each_batch), which needs full grads"
+        elif not self._comm.same_group(ddp.process_group):
             reason = "DistributedDataParallel runs over another process group than this optimizer"
         else:
             attached = _scatter_hook.attach(ddp, self)

@@ -131,7 +131,9 @@ def test_optim_args_pick_inner_optimizer_and_match_it(tmp_path, optim_args, inne
     "optim_args, message",
     [
         ("inner=adamx", r"inner='adamx' is not supported; choose one of \['adafactor', 'adam', 'adamw'"),
-        ("inner=adamw,momentum=0.9", r"unknown key\(s\) \['momentum'\].*valid keys: \['inner', 'shard', 'bucket_view', 'sharded_checkpoints', 'amsgrad'\]"),
+        ("inner=adamw,momentum=0.9", r"unknown key\(s\) \['momentum'\].*valid keys: \['inner', 'shard', 'bucket_view', 'sharded_checkpoints', 'grad_reduce', 'overlap', 'amsgrad'\]"),
+        ("grad_reduce=scatter", r"grad_reduce='scatter' is not valid; choose one of \['reduce_scatter', 'all_reduce'\]"),
+        ("overlap=sometimes", r"overlap='sometimes' is not a boolean"),
             ("sharded_checkpoints=maybe", r"sharded_checkpoints='maybe' is not a boolean"),
         ("shard=rows", r"shard='rows' is not valid; choose one of \['auto', 'flat', 'param'\]"),
         ("bucket_view=maybe", r"bucket_view='maybe' is not a boolean"),

@@ -21,6 +21,7 @@ import torch
 from ..optimizer import ZeroBucketOptimizer
 from . import _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
+from ._clipping import route_clipping
 
 _DDP_HINT = (
     "To freeze params during training, build the Accelerator with "
@@ -128,6 +129,13 @@ def _wire(accelerator) -> bool:
         ids = {id(p) for p in opt.params}
         for model in _compat.prepared_models(accelerator):
             if any(id(p) in ids for p in unwrap_ddp(model).parameters()):
+                if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+                    # [Note: gradient path defaults] reduce-scatter: clipping is routed below;
+                    # overlapped sync stays opt-in, as a loop may read params anywhere.
+                    opt.bind_ddp(
+                        model, grad_reduce_default="reduce_scatter", overlap_default=False,
+                        syncs_every_backward=_syncs_each_batch(accelerator),
+                    )
                 attach_grad_averaging(model, opt, syncing=lambda: accelerator.sync_gradients)
                 guard_frozen_under_ddp(model, opt, find_unused_parameters=_find_unused(accelerator), hint=_DDP_HINT)
     wiring = _WIRED.setdefault(accelerator, _Wiring())
@@ -135,8 +143,29 @@ def _wire(accelerator) -> bool:
         accelerator.register_save_state_pre_hook(_save_hook(accelerator))
         accelerator.register_load_state_pre_hook(_load_hook(accelerator))
         accelerator.get_state_dict = _owning_get_state_dict(accelerator, accelerator.get_state_dict)
+        route_clipping(accelerator, lambda: [opt for _, opt in _indexed(accelerator)])
+        accelerator.end_training = _draining_end_training(accelerator, accelerator.end_training)
         wiring.hooked = True
     return True
+
+
+def _syncs_each_batch(accelerator) -> bool:
+    """Whether gradient accumulation syncs every micro-batch (``sync_each_batch``)."""
+    plugin_kwargs = getattr(getattr(accelerator, "gradient_state", None), "plugin_kwargs", None) or {}
+    return bool(plugin_kwargs.get("sync_each_batch", False)) and accelerator.gradient_accumulation_steps > 1
+
+
+def _draining_end_training(accelerator, end_training):
+    """``end_training`` that first waits for an overlapped parameter sync (it destroys
+    the process group the sync runs on)."""
+
+    def draining(*args, **kwargs):
+        for _, opt in _indexed(accelerator):
+            opt.wait_param_sync()
+        return end_training(*args, **kwargs)
+
+    draining.__doc__ = end_training.__doc__
+    return draining
 
 
 def _find_unused(accelerator) -> bool:
