@@ -49,6 +49,7 @@ class BucketReducer:
 
     def __init__(self, optimizer):
         self._opt = weakref.ref(optimizer)
+        self.comm = optimizer.comm
         self.seen: dict[int, tuple | None] = {}  # this backward: bucket index -> param indices
         # The buckets of the previous syncing backward (those holding only this optimizer's params).
         self.last: tuple | None = None
@@ -89,12 +90,8 @@ def attach(ddp: torch.nn.parallel.DistributedDataParallel, optimizer) -> BucketR
 def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annotation, not a string
     opt = state._opt()
     buffer = bucket.buffer()
-    if opt is None:  # the optimizer is gone: behave as DDP would
-        import torch.distributed as dist
-
-        world = dist.get_world_size()
-        buffer.div_(world)
-        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+    if opt is None:  # the optimizer is gone: average, as DDP would
+        return state.comm.all_reduce_mean_(buffer)
     k = bucket.index()
     if k in state.reduced_since_step:
         raise RuntimeError(

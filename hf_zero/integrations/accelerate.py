@@ -14,7 +14,7 @@ import os
 import shutil
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,8 @@ _DDP_HINT = (
 class _Wiring:
     sharded_checkpoints: bool = False
     hooked: bool = False
+    # DistributedDataParallel wrappers prepare_model returned (weakly; _models keeps the inner module)
+    ddps: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 
 
 # accelerator -> how it is wired (weak: an Accelerator going away takes its entry along)
@@ -106,9 +108,13 @@ def install(accelerator_class) -> None:
     _compat.after_prepare(accelerator_class, _wire)
 
 
-def _wire(accelerator) -> bool:
+def _wire(accelerator, prepared=None) -> bool:
     """Wire ``accelerator`` for the ZeroBucketOptimizers it prepared so far; return
-    whether it has any. Idempotent (safe after every prepare call)."""
+    whether it has any. Idempotent (safe after every prepare call). ``prepared``: what
+    the prepare call just returned."""
+    wiring = _WIRED.setdefault(accelerator, _Wiring())
+    if isinstance(prepared, torch.nn.parallel.DistributedDataParallel):
+        wiring.ddps.add(prepared)
     optimizers = [o for o in map(ours, _compat.prepared_optimizers(accelerator)) if o is not None]
     if not optimizers:
         return False
@@ -127,18 +133,18 @@ def _wire(accelerator) -> bool:
                 "or pass process_group= to shard over a group of your choice."
             )
         ids = {id(p) for p in opt.params}
+        for ddp in list(wiring.ddps):
+            if any(id(p) in ids for p in ddp.module.parameters()):
+                # Reduce-scatter by default (clipping is routed below); the overlapped sync
+                # stays opt-in, as a loop may read params anywhere (docs/gradient_path.md).
+                opt.bind_ddp(
+                    ddp, grad_reduce_default="reduce_scatter", overlap_default=False,
+                    syncs_every_backward=_syncs_each_batch(accelerator),
+                )
         for model in _compat.prepared_models(accelerator):
             if any(id(p) in ids for p in unwrap_ddp(model).parameters()):
-                if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-                    # [Note: gradient path defaults] reduce-scatter: clipping is routed below;
-                    # overlapped sync stays opt-in, as a loop may read params anywhere.
-                    opt.bind_ddp(
-                        model, grad_reduce_default="reduce_scatter", overlap_default=False,
-                        syncs_every_backward=_syncs_each_batch(accelerator),
-                    )
                 attach_grad_averaging(model, opt, syncing=lambda: accelerator.sync_gradients)
                 guard_frozen_under_ddp(model, opt, find_unused_parameters=_find_unused(accelerator), hint=_DDP_HINT)
-    wiring = _WIRED.setdefault(accelerator, _Wiring())
     if not wiring.hooked:
         accelerator.register_save_state_pre_hook(_save_hook(accelerator))
         accelerator.register_load_state_pre_hook(_load_hook(accelerator))
