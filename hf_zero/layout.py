@@ -36,6 +36,19 @@ elements, 54 ms in chunks of <= 1M (rank 1, 27 pieces: 85 / 76 / 56 ms). On a GP
 kernels process tensor lists in small blocks anyway, and 1M-element chunks only
 cost: Llama-3.2-1B at N=2, fused fp32, 600 chunked pieces took 6.8 ms against
 5.2 ms for its 49 whole-param pieces and 5.1 ms for one flat tensor.
+
+[Note: bucket layout]
+With ``buckets`` (the params of each DDP gradient bucket, in the bucket's order) every
+bucket becomes one buffer whose slots sit at the bucket's own offsets (DDP's bucket
+buffer is its params' grads concatenated, no padding), so a rank's range of the
+buffer is the same range of the bucket and a reduce-scatter of the bucket leaves each
+rank the averaged grads of exactly the elements it owns (Megatron-core's layout; see
+docs/gradient_path.md). Params frozen now keep their place as holes (DDP still reduces
+their zeros) and get no slot. ``flat`` splits the bucket into equal aligned ranges (the
+buffer is padded past the bucket's end); ``param`` cuts it on param boundaries, each
+bucket's cuts chosen to even out the ranks' running totals. Trainable params in no
+bucket (frozen when DDP was built, so DDP never reduces them) go into extra buffers
+planned as without buckets.
 """
 
 from __future__ import annotations
@@ -120,6 +133,7 @@ class BufferPlan:
     size: int
     slots: tuple[Slot, ...]
     bounds: tuple[int, ...]
+    bucket: int | None = None  # the DDP bucket this buffer mirrors (its number in ``buckets``)
 
     @property
     def equal_ranges(self) -> bool:
@@ -136,6 +150,14 @@ class Layout:
     shard: str
     buffers: tuple[BufferPlan, ...]
     max_piece: int = _MAX_PIECE_ELEMENTS  # flat mode, CPU buffers only; see [Note: chunked pieces]
+    buckets: tuple[tuple[int, ...], ...] = ()  # as planned for; see [Note: bucket layout]
+
+    def bucket_buffer(self, bucket: int) -> int | None:
+        """The buffer mirroring bucket number ``bucket``; None when it has no trainable param."""
+        for b, buf in enumerate(self.buffers):
+            if buf.bucket == bucket:
+                return b
+        return None
 
     def pieces(self, rank: int) -> list[Piece]:
         """The pieces rank ``rank`` owns, buffer by buffer, in buffer order.
@@ -181,22 +203,98 @@ def max_over_mean(loads: Sequence[int]) -> float:
     return 1.0 if total == 0 else max(loads) * len(loads) / total
 
 
-def plan_layout(specs: Sequence[ParamSpec], *, world_size: int, shard: str) -> Layout:
-    """Plan buffers and ownership for ``specs`` on ``world_size`` ranks."""
+def plan_layout(
+    specs: Sequence[ParamSpec],
+    *,
+    world_size: int,
+    shard: str,
+    buckets: Sequence[Sequence[int]] | None = None,
+) -> Layout:
+    """Plan buffers and ownership for ``specs`` on ``world_size`` ranks.
+
+    ``buckets``: param indices of each DDP gradient bucket, in the bucket's order (see
+    [Note: bucket layout]); each bucket's params must share a device and dtype, and a
+    param may be in one bucket at most.
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if shard not in SHARD_MODES:
         raise ValueError(f"shard must be one of {SHARD_MODES}, got {shard!r}")
+    buckets = tuple(tuple(int(i) for i in b) for b in (buckets or ()))
+    _check_buckets(specs, buckets)
+    in_bucket = {i for b in buckets for i in b}
     keys: dict[tuple[str, torch.dtype], list[int]] = {}
     for i, s in enumerate(specs):
-        if s.trainable and s.numel > 0:
+        if s.trainable and s.numel > 0 and i not in in_bucket:
             keys.setdefault((s.device, s.dtype), []).append(i)
+    loads = [0] * world_size
+    planned = {}
+    # Largest first, as LPT does: a big bucket placed last could only land on a loaded rank.
+    for k in sorted(range(len(buckets)), key=lambda k: (-sum(specs[i].numel for i in buckets[k]), k)):
+        planned[k] = _bucket_buffer(k, buckets[k], specs, world_size, shard, loads)
+    buffers = [planned[k] for k in sorted(planned) if planned[k].slots]
     if shard == "flat":
-        buffers = [_flat_buffer(dev, dt, idx, specs, world_size) for (dev, dt), idx in keys.items()]
+        buffers += [_flat_buffer(dev, dt, idx, specs, world_size) for (dev, dt), idx in keys.items()]
     else:
-        owner = _param_owners(specs, world_size)
-        buffers = [_param_buffer(dev, dt, idx, specs, owner, world_size) for (dev, dt), idx in keys.items()]
-    return Layout(world_size, shard, tuple(buffers), _MAX_PIECE_ELEMENTS)
+        extra = [i for idx in keys.values() for i in idx]
+        owner = _param_owners(specs, world_size) if not buckets else _lpt(extra, specs, world_size, loads)
+        buffers += [_param_buffer(dev, dt, idx, specs, owner, world_size) for (dev, dt), idx in keys.items()]
+    return Layout(world_size, shard, tuple(buffers), _MAX_PIECE_ELEMENTS, buckets)
+
+
+def _check_buckets(specs: Sequence[ParamSpec], buckets: tuple[tuple[int, ...], ...]) -> None:
+    seen: set[int] = set()
+    for k, bucket in enumerate(buckets):
+        for i in bucket:
+            if not 0 <= i < len(specs):
+                raise ValueError(f"buckets[{k}] names param {i}, but there are {len(specs)} params")
+            if i in seen:
+                raise ValueError(f"buckets: param {i} is in more than one bucket (or twice in buckets[{k}])")
+            seen.add(i)
+        kinds = {(specs[i].device, specs[i].dtype) for i in bucket}
+        if len(kinds) > 1:
+            raise ValueError(f"buckets[{k}] mixes devices/dtypes {sorted(map(str, kinds))}: a DDP bucket has one")
+
+
+def _bucket_buffer(k, bucket, specs, world_size, shard, loads) -> BufferPlan:
+    """One DDP bucket's buffer; ``loads`` (elements per rank so far) is updated.
+
+    The ranges depend only on the bucket and the world size, not on which of its params
+    are trainable now: grads reduced into them stay valid across a trainability change."""
+    first = specs[bucket[0]]
+    slots, ends, offset = [], [0], 0
+    for i in bucket:
+        if specs[i].trainable and specs[i].numel > 0:
+            slots.append(Slot(i, offset, specs[i].numel))
+        offset += specs[i].numel
+        ends.append(offset)
+    if shard == "flat":
+        align = max(1, _ALIGN_BYTES // first.dtype.itemsize)
+        chunk = -(-(-(-offset // world_size)) // align) * align
+        bounds = tuple(r * chunk for r in range(world_size + 1))
+        size = chunk * world_size
+    else:
+        bounds = _cuts(ends, loads)
+        size = offset
+    for r in range(world_size):
+        loads[r] += max(0, min(bounds[r + 1], offset) - min(bounds[r], offset))
+    return BufferPlan(first.device, first.dtype, size, tuple(slots), bounds, k)
+
+
+def _cuts(ends: list[int], loads: list[int]) -> tuple[int, ...]:
+    """Rank bounds among the param boundaries ``ends`` giving each rank about what evens out ``loads``."""
+    world_size, size = len(loads), ends[-1]
+    target = (sum(loads) + size) / world_size
+    want = [max(0.0, target - load) for load in loads]
+    scale = size / sum(want) if sum(want) else 0.0
+    bounds, wanted, c = [0], 0.0, 0
+    for r in range(world_size - 1):
+        wanted += want[r] * scale
+        while c + 1 < len(ends) and abs(ends[c + 1] - wanted) <= abs(ends[c] - wanted):
+            c += 1
+        bounds.append(ends[c])
+    bounds.append(size)
+    return tuple(bounds)
 
 
 def _flat_buffer(device, dtype, indices, specs, world_size) -> BufferPlan:
@@ -236,8 +334,9 @@ def _param_owners(specs: Sequence[ParamSpec], world_size: int) -> dict[int, int]
     return min(candidates, key=worst)
 
 
-def _lpt(indices, specs, world_size) -> dict[int, int]:
-    heap = [(0, r) for r in range(world_size)]
+def _lpt(indices, specs, world_size, loads=None) -> dict[int, int]:
+    heap = [(load, r) for r, load in enumerate(loads or [0] * world_size)]
+    heapq.heapify(heap)
     owner = {}
     for i in sorted(indices, key=lambda i: (-specs[i].numel, i)):
         load, r = heapq.heappop(heap)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -10,14 +11,18 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from . import _sharded
+from . import _scatter_hook, _sharded
 from ._codec import class_name, decode, encode
 from ._statedict import ShardedState, check_state_dict, group_problems, hyperparams, match_checkpoint, mismatch_error
+from ._overlap import ParamSyncOverlap
 from .comm import Comm, fingerprint
 from .layout import Layout, ParamSpec, Piece, is_elementwise, plan_layout
 from .state import Holding, Holdings, Kind, kind_of, redistribute, shape_as, split_canonical
 
 _NOT_HYPER = ("params", "param_names")
+GRAD_REDUCE = ("auto", "all_reduce", "reduce_scatter")
+
+logger = logging.getLogger(__name__)
 
 
 def _check_params(param_groups: list[dict]) -> None:
@@ -88,6 +93,20 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         shard: ``"flat"`` (equal ranges, params may straddle ranks; elementwise
             optimizers only), ``"param"`` (whole params; any optimizer) or
             ``"auto"`` (flat when ``optimizer_class`` is elementwise).
+        grad_reduce: ``"all_reduce"`` (DDP all-reduces the grads, as without
+            hf_zero) or ``"reduce_scatter"``: once :meth:`bind_ddp` is called, DDP's
+            all-reduce is replaced by a reduce-scatter into the ranks that own the
+            elements, so a step moves DDP's bytes instead of 1.5 times them (see
+            docs/gradient_path.md). Grads are then only valid in this rank's own
+            ranges between backward and step: clip with :meth:`clip_grad_norm_` /
+            :meth:`clip_grad_value_`, not torch's. ``"auto"`` (default): what the
+            integration binding DDP chooses (``reduce_scatter`` for Trainer and
+            Accelerate, which route clipping), ``all_reduce`` in a plain loop.
+        overlap_param_sync: sync the params after a step asynchronously; each module's
+            forward waits for its own params (needs bucket views and :meth:`bind_ddp`;
+            call :meth:`wait_param_sync` before reading params outside a forward or
+            ``model.state_dict()``). ``None`` (default): what the integration binding
+            DDP chooses, off in a plain loop.
         **defaults: hyperparameters for ``optimizer_class``.
 
     Buffers are built at the first :meth:`step` (after ``model.to`` or
@@ -110,6 +129,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         parameters_as_bucket_view: bool = True,
         overlap_with_ddp: bool = False,
         shard: str = "auto",
+        grad_reduce: str = "auto",
+        overlap_param_sync: bool | None = None,
         **defaults: Any,
     ):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -127,6 +148,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                 f"shard='flat' splits params across ranks, which is only exact for elementwise "
                 f"optimizers; {optimizer_class.__name__} is not one: use shard='param'"
             )
+        if grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE}, got {grad_reduce!r}")
         if shard == "auto":
             shard = "flat" if is_elementwise(optimizer_class) else "param"
         self._ready = False
@@ -165,6 +188,12 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._sharded_ref: tuple[object, dict] | None = None  # (state token, info): see [Note: sharded reference]
         self._pending_ref: dict | None = None
         self._iteration = _Iteration()
+        self.grad_reduce = grad_reduce
+        self._reducer: _scatter_hook.BucketReducer | None = None  # set by bind_ddp
+        self._ddp_buckets: tuple[tuple[int, ...], ...] = ()  # to plan with; see _scatter_hook
+        self._overlap_choice = overlap_param_sync
+        self._overlap: ParamSyncOverlap | None = None
+        self._index_of: dict[int, int] = {}
         self.rebuilds = 0
         self._ready = True
         self._index_params()
@@ -179,6 +208,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     def _index_params(self) -> None:
         self._params = [p for g in self.param_groups for p in g["params"]]
+        self._index_of = {id(p): i for i, p in enumerate(self._params)}
         self._group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
         self._param_names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
 
@@ -232,12 +262,15 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.wait_param_sync()
         self.ensure_partition()
         if not self._iteration.grads_averaged:
             self.average_unreduced_grads()
         self._local_step(kwargs)
         self._sync()
         self._iteration = _Iteration()
+        if self._reducer is not None:
+            self._reducer.step_taken()
         self._has_state = True
         self._consolidated = None
         self._state_token = object()
@@ -246,6 +279,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         self._iteration = _Iteration()
+        if self._reducer is not None:
+            self._reducer.step_taken()
 
     def refresh_trainable(self) -> None:
         """Re-partition the current trainable set and move optimizer state. Collective."""
@@ -262,11 +297,15 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         intact = self._views_intact()
         if mask != self._mask or not intact or self._fingerprint is None:
             self._fingerprint = fingerprint(self._agreement_items(mask))
-        need = force or self._layout is None or mask != self._mask or not intact
+        need = (
+            force or self._layout is None or mask != self._mask or not intact
+            or self._layout.buckets != self._ddp_buckets
+        )
         agree, anyone_needs = self._comm.agree(self._fingerprint, need)
         if not agree:
             self._raise_disagreement(mask)
         if anyone_needs:
+            self.wait_param_sync()
             self._rebuild(mask)
 
     def _check_agreement(self) -> None:
@@ -350,6 +389,14 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def _sync(self) -> None:
         if self._comm.world_size == 1:
             return
+        if self._overlap is not None and self.parameters_as_bucket_view:
+            pending = {
+                b: self._comm.sync_buffer(buf, plan.bounds, async_op=True)
+                for b, (buf, plan) in enumerate(zip(self._buffers, self._layout.buffers))
+            }
+            where = {id(self._params[i]): b for i, (b, _) in self._layout.slots().items()}
+            self._overlap.launch(pending, where)
+            return
         for b, plan in enumerate(self._layout.buffers):
             buf = self._buffers[b]
             if not self.parameters_as_bucket_view:
@@ -367,6 +414,180 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                     for a, b in ((start, min(stop, lo)), (max(start, hi), stop)):
                         if a < b:
                             flat[a - start : b - start].copy_(buf[a:b])
+
+    # -- DDP and the gradient path ------------------------------------------------------
+    def bind_ddp(
+        self,
+        ddp: torch.nn.parallel.DistributedDataParallel,
+        *,
+        grad_reduce_default: str = "all_reduce",
+        overlap_default: bool = False,
+        syncs_every_backward: bool = False,
+    ) -> None:
+        """Tell the optimizer about the DDP wrapping its params. Call on every rank right
+        after building DDP, before its first backward (the integrations do).
+
+        Records the params DDP reduces (those trainable now; the others' grads are
+        averaged by the optimizer). With ``grad_reduce="reduce_scatter"`` it registers the
+        DDP comm hook that reduce-scatters the grads (falling back, with a logged reason,
+        to DDP's all-reduce when DDP already has a comm hook or a different process
+        group); with ``overlap_param_sync`` it hooks the wrapped module's forwards.
+        ``grad_reduce_default`` / ``overlap_default`` resolve ``"auto"`` / ``None``;
+        ``syncs_every_backward`` (gradient accumulation that syncs every micro-batch)
+        keeps DDP's all-reduce, which such accumulation needs. Idempotent.
+        """
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(f"bind_ddp needs a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
+        if grad_reduce_default not in GRAD_REDUCE[1:]:
+            raise ValueError(f"grad_reduce_default must be one of {GRAD_REDUCE[1:]}, got {grad_reduce_default!r}")
+        self.mark_ddp_reduced()
+        overlap = self._overlap_choice if self._overlap_choice is not None else overlap_default
+        if overlap and self._comm.world_size > 1:
+            if self.parameters_as_bucket_view:
+                self._overlap = self._overlap or ParamSyncOverlap()
+                self._overlap.attach(ddp.module)
+            else:
+                logger.warning("hf_zero: overlap_param_sync needs parameters_as_bucket_view=True; syncing in the step")
+        if self.grad_reduce == "auto":
+            self.grad_reduce = grad_reduce_default
+        if self.grad_reduce != "reduce_scatter" or self._reducer is not None or self._comm.world_size == 1:
+            return
+        reason = None
+        if syncs_every_backward:
+            reason = "gradient accumulation syncs every micro-batch (sync_each_batch), which needs full grads"
+        elif not self._comm.same_group(ddp.process_group):
+            reason = "DistributedDataParallel runs over another process group than this optimizer"
+        else:
+            attached = _scatter_hook.attach(ddp, self)
+            if isinstance(attached, str):
+                reason = attached
+            else:
+                self._reducer = attached
+        if reason is not None:
+            logger.warning("hf_zero: grad_reduce='reduce_scatter' is off, DDP all-reduces the grads: %s", reason)
+            self.grad_reduce = "all_reduce"
+
+    @property
+    def layout(self) -> Layout | None:
+        """The current layout (buffers and each rank's ranges); None before the first step."""
+        return self._layout
+
+    @property
+    def comm(self) -> Comm:
+        """The process group wrapper this optimizer communicates through."""
+        return self._comm
+
+    def param_index(self, param: torch.Tensor) -> int | None:
+        """``param``'s index in :attr:`params`, or None when it is not one of them."""
+        return self._index_of.get(id(param))
+
+    def plan_with_ddp_buckets(self, buckets: tuple[tuple[int, ...], ...]) -> None:
+        """Lay the buffers out after these DDP buckets (param indices, in bucket order)
+        from the next re-partition on (the next step notices). Same on every rank."""
+        self._ddp_buckets = tuple(tuple(b) for b in buckets)
+
+    def ddp_buckets_planned(self) -> tuple[tuple[int, ...], ...] | None:
+        """The DDP buckets the current layout follows (None before the first step)."""
+        return None if self._layout is None else self._layout.buckets
+
+    def bucket_bounds(self, composition: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Rank bounds of the buffer mirroring the DDP bucket of these params, or None."""
+        if self._layout is None or self.grad_reduce != "reduce_scatter":
+            return None
+        for k, bucket in enumerate(self._layout.buckets):
+            if bucket == composition:
+                b = self._layout.bucket_buffer(k)
+                return None if b is None else self._layout.buffers[b].bounds
+        return None
+
+    @property
+    def overlaps_param_sync(self) -> bool:
+        """Whether the parameter sync after a step runs while the next forward starts."""
+        return self._overlap is not None
+
+    def wait_param_sync(self) -> None:
+        """Wait for an overlapped parameter sync still in flight (a no-op otherwise), so
+        every param is complete. Not a collective: each rank waits for its own."""
+        if self._overlap is not None:
+            self._overlap.drain()
+
+    def _selected(self, parameters, what: str) -> set[int]:
+        """Indices of the trainable params among ``parameters`` (None: all of them)."""
+        if parameters is None:
+            return {i for i, p in enumerate(self._params) if p.requires_grad}
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        chosen = set()
+        for p in parameters:
+            i = self.param_index(p)
+            if i is None:
+                raise ValueError(f"{what}: a param of shape {tuple(p.shape)} is not one of this optimizer's params")
+            if p.requires_grad:
+                chosen.add(i)
+        return chosen
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, parameters=None
+    ) -> torch.Tensor:
+        """Clip grads like ``torch.nn.utils.clip_grad_norm_(parameters, ...)``; returns the
+        total norm (before clipping). Collective: every rank passes the same params.
+
+        ``parameters``: some of this optimizer's params (default: all); frozen ones are
+        left out, as they have no grad in a training step. Each rank sums its own
+        elements only (valid whether the grads were all-reduced or reduce-scattered)
+        and one scalar all-reduce makes the total; grads DDP does not reduce are
+        averaged first.
+        """
+        norm_type = float(norm_type)
+        chosen = self._selected(parameters, "clip_grad_norm_")
+        self.ensure_partition()
+        if not self._iteration.grads_averaged:
+            self.average_unreduced_grads()
+        grads = [
+            lp.param.grad.reshape(-1)[lp.piece.start : lp.piece.stop]
+            for lp in self._pieces
+            if lp.param.grad is not None and lp.piece.index in chosen
+        ]
+        first = next((self._params[i].grad for i in sorted(chosen) if self._params[i].grad is not None), None)
+        dtype = first.dtype if first is not None else torch.float32
+        device = self._comm.device
+        if norm_type == float("inf"):
+            local = max((g.abs().max().double().to(device) for g in grads if g.numel()), default=None)
+            total = torch.zeros((), dtype=torch.float64, device=device) if local is None else local.clone()
+            total = self._comm.all_reduce_(total, op="max", what="the gradient norm")
+        else:
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            for g in grads:
+                total += torch.linalg.vector_norm(g.double(), norm_type).pow(norm_type).to(device)
+            total = self._comm.all_reduce_(total, op="sum", what="the gradient norm").pow(1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped. "
+                "To disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        total = total.to(dtype=dtype)
+        if max_norm != float("inf"):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            for i in sorted(chosen):
+                g = self._params[i].grad
+                if g is not None:
+                    g.mul_(coef.to(device=g.device, dtype=g.dtype))
+        return total.to(first.device) if first is not None else total
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float, *, parameters=None) -> None:
+        """Clamp grads to ``[-clip_value, clip_value]`` like
+        ``torch.nn.utils.clip_grad_value_(parameters, ...)`` (default: all params), after
+        averaging the grads DDP does not reduce. Collective."""
+        chosen = self._selected(parameters, "clip_grad_value_")
+        if not self._iteration.grads_averaged:
+            self.average_unreduced_grads()
+        for i in sorted(chosen):
+            g = self._params[i].grad
+            if g is not None:
+                g.clamp_(-clip_value, clip_value)
 
     # -- Join ------------------------------------------------------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -403,7 +624,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                     f"param {self.param_label(i)} is on the meta device at step time: materialize the "
                     "model (e.g. model.to_empty(device=...) and load weights) before stepping"
                 )
-        layout = plan_layout(self._specs(), world_size=self._comm.world_size, shard=self.shard)
+        layout = plan_layout(
+            self._specs(), world_size=self._comm.world_size, shard=self.shard, buckets=self._ddp_buckets
+        )
         held = self._holdings()
         trainable = {i for i, m in enumerate(mask) if m}
         if layout == self._layout and not any(i in trainable for i in self._parked):
@@ -483,6 +706,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         """Give every param that shares its storage with another its own storage, for
         savers that reject shared storage. The next step rebuilds the buffers from the
         params' current values on every rank (no optimizer state moves)."""
+        self.wait_param_sync()
         shared: dict[int, int] = {}
         for p in self._params:
             key = p.untyped_storage().data_ptr()

@@ -154,12 +154,16 @@ def run_trainer(
     explicit_callback=False,
     sharded_checkpoints=False,
     plain_module=False,
+    user_callbacks=True,
     **overrides,
 ):
     """One Trainer run; returns (final params, log_history, info) from this rank.
 
     ``overflow=(step, param name)``: fp16 with a CPU GradScaler and an inf grad on rank 1
     at that step; ``info`` then holds the per-step skip flags and the final loss scale.
+    ``user_callbacks=False``: no callback of the test's own (the trainability schedule
+    is not applied), so the overlapped parameter sync runs into the next forward.
+    ``info`` also says which gradient path the optimizer took.
     """
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
@@ -207,7 +211,7 @@ def run_trainer(
     kwargs.update(overrides)
     args = TrainingArguments(**kwargs)
     optimizers = (trainer_style_adamw(model, args), None) if reference else (None, None)
-    callbacks = [TrainabilitySchedule(schedule or {})]
+    callbacks = [TrainabilitySchedule(schedule or {})] if user_callbacks else []
     if explicit_callback or sharded_checkpoints:  # as well as the default one: must not act twice
         callbacks.insert(0, hf_zero.ZeroBucketCallback(sharded_checkpoints=sharded_checkpoints))
     if overflow:
@@ -226,6 +230,9 @@ def run_trainer(
     info = {}
     if overflow:
         info = {"skipped": callbacks[-1].skipped, "scale": trainer.accelerator.scaler.get_scale()}
+    zero = getattr(trainer.optimizer, "optimizer", None)
+    if isinstance(zero, hf_zero.ZeroBucketOptimizer):
+        info.update(grad_reduce=zero.grad_reduce, overlap=zero.overlaps_param_sync)
     return params, trainer.state.log_history, info
 
 

@@ -107,6 +107,7 @@ def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir, sharded
         "replayed": params(),
         "shared_storages": len(storages),
         "rebuilds": inner.rebuilds,
+        "grad_reduce": inner.grad_reduce,
     }
 
 
@@ -181,6 +182,7 @@ def test_accelerate_loop_equals_one_process_and_save_load_state_is_exact(tmp_pat
         # Bucket views: trainable params shared one storage when save_state ran.
         assert r0["shared_storages"] == 1
         assert r0["rebuilds"] >= 4
+        assert r0["grad_reduce"] == "reduce_scatter"  # Accelerate's default path, clipping routed
     from safetensors.torch import load_file
 
     for saved in ("before/model.safetensors", "after/model.safetensors", "before/model/model.safetensors"):

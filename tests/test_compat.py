@@ -45,7 +45,7 @@ def test_unversioned_shims_find_what_they_rely_on(tmp_path):
     """The names the torch / accelerate / Trainer shims reach, checked as each shim checks them."""
     from accelerate import Accelerator
 
-    assert hasattr(torch.autograd.Variable._execution_engine, "queue_callback")
+    assert hasattr(torch.autograd.Variable._execution_engine, "queue_callback")  # hf_zero/_engine.py
     for name in ("prepare_model", "prepare_optimizer"):
         assert callable(getattr(Accelerator, name)), name
     accelerator = Accelerator(cpu=True)

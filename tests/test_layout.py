@@ -208,3 +208,138 @@ def test_one_rank_owns_everything():
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         plan_layout([ParamSpec(4, torch.float32, "cpu", True)], **kwargs)
+
+
+# -- layouts that follow DDP's gradient buckets ------------------------------------------
+def check_bucket_layout(specs, buckets, layout) -> None:
+    """Each bucket's buffer puts its trainable params at the bucket's own offsets (DDP's
+    bucket buffer: the grads concatenated), ranges cover the bucket in rank order, and
+    every trainable element is owned exactly once, by a piece inside its owner's range."""
+    ws = layout.world_size
+    assert layout.buckets == tuple(tuple(b) for b in buckets)
+    owned = {i: [] for i, s in enumerate(specs) if s.trainable and s.numel > 0}
+    in_bucket = {i for b in buckets for i in b}
+    for k, bucket in enumerate(buckets):
+        b = layout.bucket_buffer(k)
+        trainable = [i for i in bucket if i in owned]
+        if not trainable:
+            assert b is None
+            continue
+        buf = layout.buffers[b]
+        assert buf.bucket == k and (buf.device, buf.dtype) == (specs[bucket[0]].device, specs[bucket[0]].dtype)
+        offsets, offset = {}, 0
+        for i in bucket:
+            offsets[i] = offset
+            offset += specs[i].numel
+        assert [(s.index, s.offset, s.numel) for s in buf.slots] == [(i, offsets[i], specs[i].numel) for i in trainable]
+        assert buf.bounds[0] == 0 and buf.bounds[-1] == buf.size >= offset and len(buf.bounds) == ws + 1
+        assert all(lo <= hi for lo, hi in zip(buf.bounds, buf.bounds[1:]))
+        if layout.shard == "flat":
+            align = max(1, ALIGN_BYTES // buf.dtype.itemsize)
+            assert buf.equal_ranges and all(x % align == 0 for x in buf.bounds)
+            assert buf.size - offset < ws * align, "padding beyond one alignment unit per rank"
+        else:
+            assert buf.size == offset
+    extra = [buf for buf in layout.buffers if buf.bucket is None]
+    assert {s.index for buf in extra for s in buf.slots} == set(owned) - in_bucket
+    for rank in range(ws):
+        for pc in layout.pieces(rank):
+            buf = layout.buffers[pc.buffer]
+            lo, hi = buf.range_of(rank)
+            assert lo <= pc.offset and pc.offset + pc.numel <= hi
+            owned[pc.index].append((pc.start, pc.stop))
+            if layout.shard == "param":
+                assert (pc.start, pc.stop) == (0, specs[pc.index].numel), "param mode split a param"
+    for i, ranges in owned.items():
+        ranges.sort()
+        assert ranges and ranges[0][0] == 0 and ranges[-1][1] == specs[i].numel, f"param {i} not fully owned"
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), f"param {i}: gap or overlap {ranges}"
+
+
+@st.composite
+def specs_and_buckets(draw):
+    specs = draw(st.lists(spec_strategy, max_size=30))
+    by_kind: dict = {}
+    for i, s in enumerate(specs):
+        if draw(st.booleans()):  # in some DDP bucket (DDP buckets params trainable when it was built)
+            by_kind.setdefault((s.device, s.dtype), []).append(i)
+    buckets = []
+    for indices in by_kind.values():
+        indices = draw(st.permutations(indices))
+        while indices:
+            n = draw(st.integers(1, len(indices)))
+            buckets.append(indices[:n])
+            indices = indices[n:]
+    return specs, draw(st.permutations(buckets))
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=specs_and_buckets(), world_size=st.integers(1, 9), shard=st.sampled_from(["flat", "param"]),
+       max_piece=st.one_of(st.just(1 << 20), st.integers(1, 40)))
+def test_bucket_layout_owns_every_element_once_at_bucket_offsets(case, world_size, shard, max_piece):
+    specs, buckets = case
+    layout = plan_layout(specs, world_size=world_size, shard=shard, buckets=buckets)
+    check_bucket_layout(specs, buckets, dataclasses.replace(layout, max_piece=max_piece))
+    assert plan_layout(list(specs), world_size=world_size, shard=shard, buckets=buckets) == layout, "not pure"
+    # A bucket's ranges do not depend on which of its params are trainable.
+    flipped = [dataclasses.replace(s, trainable=not s.trainable) for s in specs]
+    other = plan_layout(flipped, world_size=world_size, shard=shard, buckets=buckets)
+    for k in range(len(buckets)):
+        a, b = layout.bucket_buffer(k), other.bucket_buffer(k)
+        if a is not None and b is not None:
+            assert layout.buffers[a].bounds == other.buffers[b].bounds
+
+
+def ddp_buckets(specs, cap_bytes=25 * 2**20, first_cap_bytes=2**20):
+    """DDP's first bucketing (reverse param order, a size cap per bucket), for planning tests."""
+    buckets, current, size, cap = [], [], 0, first_cap_bytes
+    for i in reversed(range(len(specs))):
+        if not specs[i].trainable:
+            continue
+        current.append(i)
+        size += specs[i].numel * specs[i].dtype.itemsize
+        if size >= cap:
+            buckets.append(current)
+            current, size, cap = [], 0, cap_bytes
+    return buckets + ([current] if current else [])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("trainable, world_size", GPT2_CASES)
+def test_gpt2_bucket_layout_balance(trainable, world_size):
+    specs = gpt2_specs(trainable)
+    buckets = ddp_buckets(specs)
+    flat = plan_layout(specs, world_size=world_size, shard="flat", buckets=buckets)
+    check_bucket_layout(specs, buckets, flat)
+    assert flat.balance() <= 1.01
+    param = plan_layout(specs, world_size=world_size, shard="param", buckets=buckets)
+    check_bucket_layout(specs, buckets, param)
+    assert max(param.owned_elements()) <= max(torch_zero_loads(specs, world_size=world_size))
+
+
+def test_bucket_layout_example():
+    """Two buckets in DDP's reverse order, a frozen param as a hole, one param in no bucket."""
+    f32 = torch.float32
+    specs = [ParamSpec(10, f32, "cpu", True), ParamSpec(6, f32, "cpu", False), ParamSpec(4, f32, "cpu", True),
+             ParamSpec(16, f32, "cpu", True), ParamSpec(5, f32, "cpu", True)]
+    layout = plan_layout(specs, world_size=2, shard="flat", buckets=[[3], [2, 1, 0]])
+    a, b, extra = layout.buffers
+    assert (a.bucket, a.size, a.bounds, [(s.index, s.offset) for s in a.slots]) == (0, 32, (0, 16, 32), [(3, 0)])
+    assert (b.bucket, b.bounds, [(s.index, s.offset) for s in b.slots]) == (1, (0, 16, 32), [(2, 0), (0, 10)])
+    assert extra.bucket is None and [s.index for s in extra.slots] == [4]
+    assert [(p.index, p.start, p.stop) for p in layout.pieces(1) if p.buffer == 1] == [(0, 6, 10)]
+    param = plan_layout(specs, world_size=2, shard="param", buckets=[[3], [2, 1, 0]])
+    # Largest bucket first, cut on a param boundary (the hole counts: ranges ignore trainability).
+    assert [buf.bounds for buf in param.buffers[:2]] == [(0, 16, 16), (0, 10, 20)]
+    assert [(p.index, p.start, p.stop) for p in param.pieces(1) if p.buffer < 2] == [(0, 0, 10)]
+
+
+@pytest.mark.parametrize("buckets, match", [
+    ([[0, 5]], r"buckets\[0\] names param 5"),
+    ([[0], [0]], "param 0 is in more than one bucket"),
+    ([[0, 1]], r"buckets\[0\] mixes devices/dtypes"),
+])
+def test_bad_buckets_are_named(buckets, match):
+    specs = [ParamSpec(4, torch.float32, "cpu", True), ParamSpec(4, torch.float64, "cpu", True)]
+    with pytest.raises(ValueError, match=match):
+        plan_layout(specs, world_size=2, shard="flat", buckets=buckets)

@@ -130,7 +130,9 @@ def test_optim_args_pick_inner_optimizer_and_match_it(tmp_path, optim_args, inne
     "optim_args, message",
     [
         ("inner=adamx", r"inner='adamx' is not supported; choose one of \['adafactor', 'adam', 'adamw'"),
-        ("inner=adamw,momentum=0.9", r"unknown key\(s\) \['momentum'\].*valid keys: \['inner', 'shard', 'bucket_view', 'sharded_checkpoints', 'amsgrad'\]"),
+        ("inner=adamw,momentum=0.9", r"unknown key\(s\) \['momentum'\].*valid keys: \['inner', 'shard', 'bucket_view', 'sharded_checkpoints', 'grad_reduce', 'overlap', 'amsgrad'\]"),
+        ("grad_reduce=scatter", r"grad_reduce='scatter' is not valid; choose one of \['reduce_scatter', 'all_reduce'\]"),
+        ("overlap=sometimes", r"overlap='sometimes' is not a boolean"),
             ("sharded_checkpoints=maybe", r"sharded_checkpoints='maybe' is not a boolean"),
         ("shard=rows", r"shard='rows' is not valid; choose one of \['auto', 'flat', 'param'\]"),
         ("bucket_view=maybe", r"bucket_view='maybe' is not a boolean"),
@@ -152,7 +154,7 @@ def _assert_params_close(got, want, atol, what):
 
 
 @pytest.mark.reliability("Trainer, 2 ranks: freeze/unfreeze inside and outside DDP, save, resume on 2 and on 1 rank; gradient checkpointing + a freeze with find_unused_parameters=False", "equal to 1 process (1e-12); the gradient-checkpointing case raises `ValueError` saying ddp_find_unused_parameters=True")
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(840)
 def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp_path):
     main2, main1 = str(tmp_path / "main2"), str(tmp_path / "main1")
     ckpt = str(tmp_path / "main2" / "checkpoint-4")
@@ -174,14 +176,23 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
         ("run_trainer", dict(output_dir=str(tmp_path / "fp16"), max_steps=5, schedule=SCHEDULE,
                              frozen_at_build=("bert.encoder.layer.1.",),
                              overflow=(3, "bert.encoder.layer.1.output.dense.weight"))),
-    ], timeout=400)
+        # An inf on rank 1 in a param DDP reduces: reduce-scattered, so only its owner sees it.
+        ("run_trainer", dict(output_dir=str(tmp_path / "fp16_scattered"), max_steps=5,
+                             overflow=(3, "bert.encoder.layer.0.output.dense.weight"))),
+        # No callback of ours: the parameter sync overlaps the next forward; a mid-run save drains it.
+        ("run_trainer", dict(output_dir=str(tmp_path / "overlap"), user_callbacks=False, save_strategy="steps",
+                             save_steps=3)),
+    ], timeout=520)
     one = run_ranks(run_many, 1, [
         ("run_trainer", dict(output_dir=main1, optim="adamw_torch", reference=True, **MAIN)),
         ("run_trainer", dict(output_dir=str(tmp_path / "resume1"), resume=ckpt, **MAIN)),
         ("run_trainer", dict(output_dir=str(tmp_path / "plain1"), optim="adamw_torch", schedule=PLAIN_SCHEDULE)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "overlap1"), optim="adamw_torch", user_callbacks=False,
+                             save_strategy="steps", save_steps=3)),
     ], timeout=300)
-    (main, resumed2, steps, only_model, gc_error, gc_ok, bf16, plain, module, fp16), other_rank = two[0], two[1]
-    (reference, resumed1, plain_reference) = one[0]
+    (main, resumed2, steps, only_model, gc_error, gc_ok, bf16, plain, module, fp16, fp16_scattered, overlap) = two[0]
+    other_rank = two[1]
+    (reference, resumed1, plain_reference, overlap_reference) = one[0]
     initial = dict(tiny_bert().named_parameters())
 
     # Replicas agree on every rank, in every run.
@@ -257,6 +268,26 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     # skips step 4 on both ranks (no hang), and the scale backs off once on both.
     assert fp16[2]["skipped"] == other_rank[9][2]["skipped"] == [False, False, False, True, False]
     assert fp16[2]["scale"] == other_rank[9][2]["scale"] == 2.0**9
+    assert fp16_scattered[2]["skipped"] == other_rank[10][2]["skipped"] == [False, False, False, True, False]
+    assert fp16_scattered[2]["scale"] == other_rank[10][2]["scale"] == 2.0**9
+
+    # The gradient path Trainer takes by default: reduce-scatter, with the parameter sync
+    # overlapping the next forward (drained after each step while a callback of the
+    # test's own could read params).
+    for run in (main, plain, fp16, fp16_scattered, overlap):
+        assert run[2]["grad_reduce"] == "reduce_scatter" and run[2]["overlap"], run[2]
+    _assert_params_close(overlap[0], overlap_reference[0], 1e-12, "overlapped sync vs Trainer adamw_torch")
+    grad_norms = [e["grad_norm"] for e in overlap[1] if "grad_norm" in e]
+    want_norms = [e["grad_norm"] for e in overlap_reference[1] if "grad_norm" in e]
+    assert len(grad_norms) == len(want_norms) == 7
+    torch.testing.assert_close(torch.tensor(grad_norms), torch.tensor(want_norms), rtol=1e-10, atol=0)
+    from safetensors.torch import load_file
+
+    for saved in ("checkpoint-3", "checkpoint-6"):  # saved while the step's sync was in flight
+        state = load_file(str(tmp_path / "overlap" / saved / "model.safetensors"))
+        want = load_file(str(tmp_path / "overlap1" / saved / "model.safetensors"))
+        assert state.keys() == want.keys()
+        _assert_params_close(state, want, 1e-12, f"overlap {saved}")
 
 
 # -- sharded checkpoints ---------------------------------------------------------------------

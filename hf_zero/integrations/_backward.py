@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from . import _compat
+from .._engine import queue_end_of_backward
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
 
@@ -85,7 +85,7 @@ def attach_grad_averaging(model: torch.nn.Module, optimizer, *, syncing: Callabl
                     queued[0] = False
                     average()
 
-                _compat.queue_end_of_backward(run)
+                queue_end_of_backward(run)
             return None
 
         for t in _tensors(output):

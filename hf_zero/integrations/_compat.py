@@ -34,18 +34,6 @@ def _require(owner: Any, name: str, library: str) -> Any:
     return getattr(owner, name)
 
 
-# -- torch ------------------------------------------------------------------------
-def queue_end_of_backward(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the running backward pass ends.
-
-    No public torch API does this; DDP and FSDP use the same engine call.
-    """
-    import torch
-
-    engine = _require(torch.autograd.Variable, "_execution_engine", "torch")
-    engine.queue_callback(callback)
-
-
 # -- accelerate --------------------------------------------------------------------
 def prepared_optimizers(accelerator) -> list:
     """The optimizers ``accelerator`` prepared, in its order (which names its files
@@ -61,10 +49,11 @@ def prepared_models(accelerator) -> list:
 _AFTER_PREPARE = "_hf_zero_after_prepare"
 
 
-def after_prepare(accelerator_class: type, callback: Callable[[Any], Any]) -> None:
-    """Call ``callback(accelerator)`` after every ``prepare_model`` and
-    ``prepare_optimizer`` of ``accelerator_class`` (``prepare`` goes through them).
-    Accelerate has no hook there. Idempotent."""
+def after_prepare(accelerator_class: type, callback: Callable[[Any, Any], Any]) -> None:
+    """Call ``callback(accelerator, prepared)`` after every ``prepare_model`` and
+    ``prepare_optimizer`` of ``accelerator_class`` (``prepare`` goes through them), with
+    what the method returned (``_models`` keeps the model unwrapped: the returned one is
+    the DistributedDataParallel). Accelerate has no hook there. Idempotent."""
     for name in ("prepare_model", "prepare_optimizer"):
         method = _require(accelerator_class, name, "accelerate")
         if getattr(method, _AFTER_PREPARE, False):
@@ -74,7 +63,7 @@ def after_prepare(accelerator_class: type, callback: Callable[[Any], Any]) -> No
             @functools.wraps(method)
             def prepared(self, *args, **kwargs):
                 result = method(self, *args, **kwargs)
-                callback(self)
+                callback(self, result)
                 return result
 
             setattr(prepared, _AFTER_PREPARE, True)

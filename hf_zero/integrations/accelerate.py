@@ -14,13 +14,14 @@ import os
 import shutil
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..optimizer import ZeroBucketOptimizer
 from . import _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
+from ._clipping import route_clipping
 
 _DDP_HINT = (
     "To freeze params during training, build the Accelerator with "
@@ -33,6 +34,8 @@ _DDP_HINT = (
 class _Wiring:
     sharded_checkpoints: bool = False
     hooked: bool = False
+    # DistributedDataParallel wrappers prepare_model returned (weakly; _models keeps the inner module)
+    ddps: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 
 
 # accelerator -> how it is wired (weak: an Accelerator going away takes its entry along)
@@ -106,9 +109,13 @@ def install(accelerator_class) -> None:
     _compat.after_prepare(accelerator_class, _wire)
 
 
-def _wire(accelerator) -> bool:
+def _wire(accelerator, prepared=None) -> bool:
     """Wire ``accelerator`` for the ZeroBucketOptimizers it prepared so far; return
-    whether it has any. Idempotent (safe after every prepare call)."""
+    whether it has any. Idempotent (safe after every prepare call). ``prepared``: what
+    the prepare call just returned."""
+    wiring = _WIRED.setdefault(accelerator, _Wiring())
+    if isinstance(prepared, torch.nn.parallel.DistributedDataParallel):
+        wiring.ddps.add(prepared)
     optimizers = [o for o in map(ours, _compat.prepared_optimizers(accelerator)) if o is not None]
     if not optimizers:
         return False
@@ -127,17 +134,45 @@ def _wire(accelerator) -> bool:
                 "or pass process_group= to shard over a group of your choice."
             )
         ids = {id(p) for p in opt.params}
+        for ddp in list(wiring.ddps):
+            if any(id(p) in ids for p in ddp.module.parameters()):
+                # Reduce-scatter by default (clipping is routed below); the overlapped sync
+                # stays opt-in, as a loop may read params anywhere (docs/gradient_path.md).
+                opt.bind_ddp(
+                    ddp, grad_reduce_default="reduce_scatter", overlap_default=False,
+                    syncs_every_backward=_syncs_each_batch(accelerator),
+                )
         for model in _compat.prepared_models(accelerator):
             if any(id(p) in ids for p in unwrap_ddp(model).parameters()):
                 attach_grad_averaging(model, opt, syncing=lambda: accelerator.sync_gradients)
                 guard_frozen_under_ddp(model, opt, find_unused_parameters=_find_unused(accelerator), hint=_DDP_HINT)
-    wiring = _WIRED.setdefault(accelerator, _Wiring())
     if not wiring.hooked:
         accelerator.register_save_state_pre_hook(_save_hook(accelerator))
         accelerator.register_load_state_pre_hook(_load_hook(accelerator))
         accelerator.get_state_dict = _owning_get_state_dict(accelerator, accelerator.get_state_dict)
+        route_clipping(accelerator, lambda: [opt for _, opt in _indexed(accelerator)])
+        accelerator.end_training = _draining_end_training(accelerator, accelerator.end_training)
         wiring.hooked = True
     return True
+
+
+def _syncs_each_batch(accelerator) -> bool:
+    """Whether gradient accumulation syncs every micro-batch (``sync_each_batch``)."""
+    plugin_kwargs = getattr(getattr(accelerator, "gradient_state", None), "plugin_kwargs", None) or {}
+    return bool(plugin_kwargs.get("sync_each_batch", False)) and accelerator.gradient_accumulation_steps > 1
+
+
+def _draining_end_training(accelerator, end_training):
+    """``end_training`` that first waits for an overlapped parameter sync (it destroys
+    the process group the sync runs on)."""
+
+    def draining(*args, **kwargs):
+        for _, opt in _indexed(accelerator):
+            opt.wait_param_sync()
+        return end_training(*args, **kwargs)
+
+    draining.__doc__ = end_training.__doc__
+    return draining
 
 
 def _find_unused(accelerator) -> bool:

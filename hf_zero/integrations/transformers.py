@@ -41,7 +41,8 @@ _INNER: dict[str, tuple[type, dict, bool, tuple[str, ...]]] = {
         ("scale_parameter", "relative_step", "warmup_init", "clip_threshold", "decay_rate", "beta1"),
     ),
 }
-_COMMON_KEYS = ("inner", "shard", "bucket_view", "sharded_checkpoints")
+_COMMON_KEYS = ("inner", "shard", "bucket_view", "sharded_checkpoints", "grad_reduce", "overlap")
+_GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 _SHARDS = ("auto", "flat", "param")
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 _FLOAT_KEYS = ("momentum", "dampening", "clip_threshold", "decay_rate", "beta1")
@@ -61,8 +62,10 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
     Keys: ``inner`` (one of :data:`_INNER`, default ``adamw``), ``shard``
     (``auto``/``flat``/``param``), ``bucket_view`` (bool), ``sharded_checkpoints``
     (bool: read by :class:`ZeroBucketCallback`, see :func:`sharded_checkpoints_requested`),
-    and the inner optimizer's own options (e.g. ``momentum`` for ``sgd``). Unknown
-    keys or values raise ``ValueError`` listing the valid ones.
+    ``grad_reduce`` (``reduce_scatter``, the default, or ``all_reduce``: DDP's own
+    all-reduce), ``overlap`` (bool, default true: the parameter sync overlaps the next
+    forward), and the inner optimizer's own options (e.g. ``momentum`` for ``sgd``).
+    Unknown keys or values raise ``ValueError`` listing the valid ones.
     """
     inner = optim_args.get("inner", "adamw")
     if inner not in _INNER:
@@ -79,12 +82,17 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
     if shard not in _SHARDS:
         raise ValueError(f"optim_args: shard={shard!r} is not valid; choose one of {list(_SHARDS)}")
     _bool("sharded_checkpoints", optim_args.get("sharded_checkpoints", "false"))  # validated here, used by the callback
+    grad_reduce = optim_args.get("grad_reduce", "reduce_scatter")
+    if grad_reduce not in _GRAD_REDUCE:
+        raise ValueError(f"optim_args: grad_reduce={grad_reduce!r} is not valid; choose one of {list(_GRAD_REDUCE)}")
     if inner == "adamw_fused" and not _fused_available():
         raise ValueError("optim_args: inner='adamw_fused' is not available with this torch build/device")
     out: dict[str, Any] = {
         "optimizer_class": cls,
         "shard": shard,
         "parameters_as_bucket_view": _bool("bucket_view", optim_args.get("bucket_view", "true")),
+        "grad_reduce": grad_reduce,
+        "overlap_param_sync": _bool("overlap", optim_args.get("overlap", "true")),
         **fixed,
     }
     for key in extra:
@@ -150,7 +158,10 @@ class ZeroBucketFactory:
                 "weight_decay": 0.0,
             },
         ]
-        return ZeroBucketOptimizer(groups, **kwargs)
+        opt = ZeroBucketOptimizer(groups, **kwargs)
+        if trainer is not None:
+            _TRAINER_OF[opt] = weakref.ref(trainer)
+        return opt
 
 
 def _handler(ctx) -> tuple[Any, dict[str, Any]]:
@@ -187,6 +198,11 @@ def register() -> None:
     if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
         transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
 
+
+# optimizer -> the Trainer whose create_optimizer built it (weakly)
+_TRAINER_OF: "weakref.WeakKeyDictionary[ZeroBucketOptimizer, weakref.ref]" = weakref.WeakKeyDictionary()
+# Callbacks from these packages read no params between a step and the next forward.
+_PARAM_FREE_CALLBACK_MODULES = ("transformers.", "hf_zero.")
 
 # optimizer -> the callback instance driving it (a callback passed explicitly *and*
 # added by default must not rebuild or consolidate twice)
@@ -236,6 +252,7 @@ class ZeroBucketCallback(TrainerCallback):
         self.sharded_checkpoints = bool(sharded_checkpoints)
         self._rebuilds_logged = -1
         self._pending: dict[str, Any] = {}
+        self._drain_after_step = True
 
     # -- helpers ---------------------------------------------------------------------
     def _mine(self, optimizer) -> ZeroBucketOptimizer | None:
@@ -295,10 +312,20 @@ class ZeroBucketCallback(TrainerCallback):
         opt.ensure_partition()
         self._rebuilds_logged = -1
         self._record(opt, state)
+        self._drain_after_step = opt.overlaps_param_sync and _has_user_callbacks(opt)
+
+    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+        opt = self._mine(optimizer)
+        if opt is not None:
+            opt.wait_param_sync()
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         opt = self._mine(optimizer)
         if opt is not None:
+            if self._drain_after_step:
+                # [Note: overlapped parameter sync] a user callback may read params before
+                # the next forward (this callback runs before theirs): complete them now.
+                opt.wait_param_sync()
             self._record(opt, state)  # the step itself rebuilds after late trainability changes
 
     def _before_save(self, args, state, control, optimizer) -> None:
@@ -332,6 +359,19 @@ _DDP_HINT = (
     "gradient_checkpointing_kwargs={'use_reentrant': False}, transformers' default since 5.0), or freeze "
     "the param before the Trainer starts."
 )
+
+
+def _has_user_callbacks(opt: ZeroBucketOptimizer) -> bool:
+    """Whether the Trainer that built ``opt`` has callbacks other than transformers' and
+    hf_zero's (True when that Trainer is unknown)."""
+    ref = _TRAINER_OF.get(opt)
+    trainer = ref() if ref is not None else None
+    if trainer is None:
+        return True
+    return any(
+        not type(cb).__module__.startswith(_PARAM_FREE_CALLBACK_MODULES)
+        for cb in trainer.callback_handler.callbacks
+    )
 
 
 register()

@@ -1,0 +1,23 @@
+"""The one torch internal the core uses: running a callback when a backward pass ends.
+
+No public torch API does this; DDP and FSDP use the same autograd-engine call
+(tests/test_compat.py checks it is there).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running backward pass ends (callbacks queued from a
+    callback run after the ones already queued, e.g. DDP's finalizer)."""
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    if engine is None or not hasattr(engine, "queue_callback"):
+        raise RuntimeError(
+            f"hf_zero: torch {torch.__version__} has no autograd engine callback queue, which hf_zero relies on; "
+            "please report this with your versions of hf_zero and torch"
+        )
+    engine.queue_callback(callback)

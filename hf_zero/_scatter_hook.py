@@ -1,0 +1,138 @@
+"""A DDP comm hook that reduce-scatters each gradient bucket into the ranks that own it.
+
+[Note: reduce-scatter path]
+DDP all-reduces every gradient bucket (2Ψ(N-1)/N bytes per rank), and ZeRO-1 then
+re-syncs the parameters (Ψ(N-1)/N more). A rank only steps the elements it owns, so it
+only needs their averaged gradient: with the optimizer's buffers laid out after DDP's
+buckets (see the bucket note in layout.py), this hook replaces DDP's all-reduce with a
+reduce-scatter of ``bucket.buffer()`` in place, which with the parameter sync moves
+2Ψ(N-1)/N, DDP's own volume (docs/gradient_path.md). With a comm hook DDP does not
+divide by the world size; the hook averages.
+
+Lockstep: every rank sees the same buckets (DDP builds them on rank 0 and broadcasts
+them) and the same layout (agreed at each step), so every rank takes the same branch
+for every bucket. A bucket is reduce-scattered only when the layout was planned with
+exactly the bucket structure seen in the previous syncing backward, and this bucket
+has the same params there; anything else (the first backward, DDP's one rebuild of its
+buckets after the first iteration, a bucket with params this optimizer does not hold,
+a bucket without trainable params) is all-reduced, so full grads stay valid. The
+structure the optimizer plans with changes only when two consecutive backwards saw
+the same one, so the step that follows a reduce-scatter always uses the ranges the
+grads were reduced into.
+
+After the backward (a final autograd callback queued from inside the first hook runs
+after DDP has written the hooks' results into ``.grad``): one scalar MAX all-reduce of
+"a non-finite grad in my owned ranges". A local inf/NaN anywhere makes its owner's
+average non-finite, so when no rank sets the flag no rank's grads hold one, and when
+one does every rank gets a NaN written into the same grad element: GradScaler's
+``unscale_`` then finds an inf on every rank and all skip the step together.
+
+Only the last backward before a step may sync (DDP's ``no_sync()`` for the others):
+a second syncing backward would add new local grads to already reduce-scattered ones,
+which no reduction can undo, so it raises instead. ``optimizer.step()``,
+``optimizer.zero_grad()`` and a backward whose grads are non-finite (GradScaler skips
+the step) end the window.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from ._engine import queue_end_of_backward
+
+logger = logging.getLogger(__name__)
+
+
+class BucketReducer:
+    """The state DDP passes to :func:`_hook`: which optimizer, what was seen."""
+
+    def __init__(self, optimizer):
+        self._opt = weakref.ref(optimizer)
+        self.comm = optimizer.comm
+        self.seen: dict[int, tuple | None] = {}  # this backward: bucket index -> param indices
+        # The buckets of the previous syncing backward (those holding only this optimizer's params).
+        self.last: tuple | None = None
+        self.scattered: list[torch.Tensor] = []  # this backward: the owned range of each reduce-scattered bucket
+        self.reduced_since_step: set[int] = set()
+        self._queued = False
+
+    def step_taken(self) -> None:
+        self.reduced_since_step.clear()
+
+    def _after_backward(self) -> None:
+        """Runs after DDP's own end-of-backward work (grads written)."""
+        self._queued = False
+        opt = self._opt()
+        structure = tuple(self.seen[k] for k in sorted(self.seen) if self.seen[k] is not None)
+        scattered, self.seen, self.scattered = self.scattered, {}, []
+        if opt is None:
+            return
+        if scattered and not _agree_on_finite(opt, scattered):
+            # Every rank's GradScaler skips this step (no optimizer.step()); what the grads
+            # hold no longer matters, so the next syncing backward is not an error.
+            self.reduced_since_step.clear()
+        if self.last is None or structure == self.last:
+            opt.plan_with_ddp_buckets(structure)
+        self.last = structure
+
+
+def attach(ddp: torch.nn.parallel.DistributedDataParallel, optimizer) -> BucketReducer | str:
+    """Register the hook on ``ddp``; returns its state, or why it cannot be used."""
+    state = BucketReducer(optimizer)
+    try:
+        ddp.register_comm_hook(state, _hook)
+    except RuntimeError as e:  # DDP takes one comm hook, registered before any backward
+        return f"DistributedDataParallel already has a communication hook or has run a backward ({e})"
+    return state
+
+
+def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annotation, not a string
+    opt = state._opt()
+    buffer = bucket.buffer()
+    if opt is None:  # the optimizer is gone: average, as DDP would
+        return state.comm.all_reduce_mean_(buffer)
+    k = bucket.index()
+    if k in state.reduced_since_step:
+        raise RuntimeError(
+            "hf_zero: a second gradient-syncing backward before optimizer.step(): with "
+            "grad_reduce='reduce_scatter' only the last backward of a gradient accumulation may sync "
+            "(wrap the others in DistributedDataParallel.no_sync(), as Trainer and Accelerate do), or "
+            "use grad_reduce='all_reduce'"
+        )
+    state.reduced_since_step.add(k)
+    if not state._queued:
+        state._queued = True
+        # Queued now, this callback would run before DDP's finalizer; re-queued from there, after it.
+        queue_end_of_backward(lambda: queue_end_of_backward(state._after_backward))
+    indices = tuple(opt.param_index(p) for p in bucket.parameters())
+    composition = None if None in indices else indices
+    state.seen[k] = composition
+    bounds = None
+    if composition is not None and state.last is not None and opt.ddp_buckets_planned() == state.last:
+        bounds = opt.bucket_bounds(composition)
+    if bounds is None:
+        return opt.comm.all_reduce_mean_(buffer)
+    rank, n = opt.comm.rank, buffer.numel()
+    state.scattered.append(buffer[min(bounds[rank], n) : min(bounds[rank + 1], n)])
+    return opt.comm.reduce_scatter_(buffer, bounds)
+
+
+def _agree_on_finite(opt, owned: list[torch.Tensor]) -> bool:
+    """Make GradScaler's inf check agree on every rank (see the module note); returns
+    whether all grads are finite. ``owned``: this rank's range of each reduce-scattered
+    bucket (DDP keeps the hook's result there)."""
+    local = torch.zeros((), dtype=torch.float32, device=opt.comm.device)
+    for g in owned:
+        if not torch.isfinite(g).all():
+            local.fill_(1)
+            break
+    if opt.comm.all_reduce_(local, op="max", what="agreeing on non-finite gradients").item() == 0:
+        return True
+    for p in opt.params:  # the same param on every rank: grads are present alike everywhere
+        if p.requires_grad and p.grad is not None and p.grad.numel():
+            p.grad.view(-1)[0] = float("nan")
+            break
+    return False
