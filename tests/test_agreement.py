@@ -1,7 +1,5 @@
 """Ranks that disagree on the trainable set raise the same clear error instead of hanging."""
 
-import time
-
 import pytest
 import torch
 
@@ -29,9 +27,9 @@ def _disagree(rank, world_size, when):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("when", [0, 2])
 def test_one_rank_freezing_alone_fails_on_every_rank(when):
-    start = time.monotonic()
-    results = run_ranks(_disagree, 2, when, timeout=40)
-    assert time.monotonic() - start < 30
+    # A hang would last until the collective timeout; run_ranks fails the test at 45 s (spawn
+    # included, on a loaded 2-core machine the spawn alone can take 20 s).
+    results = run_ranks(_disagree, 2, when, timeout=45)
     assert results[0] == results[1], results
     step, message = results[0]
     assert step == when
