@@ -3,7 +3,7 @@
     python -m benchmarks.reduce_scatter_primitives [--ranks 2] [--mb 4 32 120] [--rounds 9]
 
 Each round times, in a shuffled order, an all-reduce of the buffer and
-``hf_zero.comm.Comm.reduce_scatter_`` by each primitive (its local sum included);
+``hf_zero._comm.Comm.reduce_scatter_`` by each primitive (its local sum included);
 prints the median per size and its ratio to the all-reduce.
 """
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hf_zero.comm import Comm
+from hf_zero._comm import Comm
 
 
 def _rank(rank, world_size, port, sizes_mb, rounds, out):

@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _HOMES = {
-    "ZeroBucketOptimizer": ".optimizer",
+    "ZeroBucketOptimizer": "._optimizer",
     "prepare_accelerator": ".integrations.accelerate",
     "ZeroBucketCallback": ".integrations.transformers",
 }
@@ -43,7 +43,7 @@ if _importable("transformers"):  # checked without importing it
 if TYPE_CHECKING:
     from .integrations.accelerate import prepare_accelerator
     from .integrations.transformers import ZeroBucketCallback
-    from .optimizer import ZeroBucketOptimizer
+    from ._optimizer import ZeroBucketOptimizer
 
 
 def __getattr__(name: str):

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from .state import dtype_from_name
+from ._state import dtype_from_name
 
 
 def class_name(cls: type) -> str:

@@ -34,7 +34,7 @@ carries that token, so a moved checkpoint can be found by its new path and a new
 save in the old path is never taken for it.
 
 This module knows nothing of the optimizer: it writes and reads holdings (see
-:mod:`hf_zero.state`) and records that the optimizer prepares.
+:mod:`hf_zero._state`) and records that the optimizer prepares.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from typing import Any, Callable
 import torch
 
 from ._codec import decode, encode
-from .comm import Comm
-from .state import Holdings, dtype_from_name, unsplittable
+from ._comm import Comm
+from ._state import Holdings, dtype_from_name, unsplittable
 
 COMMIT_FILE = "hf_zero_optimizer.json"
 REFERENCE_KEY = "hf_zero_sharded"

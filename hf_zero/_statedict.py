@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 from ._codec import class_name
-from .layout import is_elementwise
-from .state import Kind, kind_of
+from ._layout import is_elementwise
+from ._state import Kind, kind_of
 
 # Hyperparameters LR schedulers add to param groups: not a sign of another optimizer class.
 _SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum", "base_lr"})

@@ -7,7 +7,7 @@ import sys
 
 
 def _plan(args) -> int:
-    from . import planner
+    from . import _planner as planner
 
     planner.run(args)
     return 0
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-zero", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from . import planner
+    from . import _planner as planner
 
     plan = sub.add_parser("plan", help="per-rank optimizer memory and balance of a fine-tune, before launching it",
                           description=planner.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -257,7 +257,7 @@ def run_many(rank, world_size, runs):
 
 def run_counting_agreements(rank, world_size, **kwargs):
     """run_trainer, counting the optimizer's cross-rank agreement all-reduces."""
-    from hf_zero.comm import Comm
+    from hf_zero._comm import Comm
 
     calls = []
     agree = Comm.agree

@@ -51,7 +51,7 @@ STEPS = [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
 
 def _stage(rank, world_size, stage, directory, params, previous):
     """Load the previous stage's checkpoint (and, separately, its full state dict), train, save."""
-    from hf_zero import state
+    from hf_zero import _state as state
 
     saved_round, state._ROUND_BYTES = state._ROUND_BYTES, 40  # 5 float64s a round: transfers split, blobs alone
     try:

@@ -2,7 +2,7 @@
 consolidate and checkpoint exactly like the plain optimizer on the global batch.
 
 The models here are far below the default chunk limit, so each rank lowers it
-(``hf_zero.layout._MAX_PIECE_ELEMENTS``) for its own process. Each scenario saves a
+(``hf_zero._layout._MAX_PIECE_ELEMENTS``) for its own process. Each scenario saves a
 sharded checkpoint under one limit and resumes under the other, so the saved ranges
 and the new pieces differ (as after a change of the limit between versions).
 """
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_zero import layout as layout_module
+from hf_zero import _layout as layout_module
 from tests._dist import run_ranks
 from tests.models import (
     Setup, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model, make_zero,

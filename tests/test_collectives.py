@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_zero.layout import ParamSpec, plan_layout
+from hf_zero._layout import ParamSpec, plan_layout
 from tests._dist import run_ranks
 from tests.models import (
     Setup, assert_params_equal, assert_replicas_identical, build_model, make_zero, params_of, reference_run,

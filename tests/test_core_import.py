@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = ("hf_zero.layout", "hf_zero.comm", "hf_zero.state", "hf_zero.optimizer")
+CORE = ("hf_zero._layout", "hf_zero._comm", "hf_zero._state", "hf_zero._optimizer")
 
 SCRIPT = f"""
 import importlib, sys
@@ -18,7 +18,7 @@ for blocked in ("transformers", "accelerate"):
 for name in {CORE!r}:
     importlib.import_module(name)
 import torch
-from hf_zero.optimizer import ZeroBucketOptimizer
+from hf_zero._optimizer import ZeroBucketOptimizer
 model = torch.nn.Linear(3, 2)
 opt = ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
 model(torch.ones(4, 3)).sum().backward()

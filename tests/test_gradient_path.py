@@ -207,7 +207,7 @@ def _with_users_hook(rank, world_size, case: Case):
         def emit(self, record):
             logged.append(record.getMessage())
 
-    logging.getLogger("hf_zero.optimizer").addHandler(Catch())
+    logging.getLogger("hf_zero._optimizer").addHandler(Catch())
     model = build_model(case.setup.model)
     opt = make_zero(case.setup, model, grad_reduce="reduce_scatter")
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_MB)

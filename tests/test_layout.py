@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_zero import layout as layout_module
-from hf_zero.layout import ParamSpec, plan_layout, torch_zero_loads
+from hf_zero import _layout as layout_module
+from hf_zero._layout import ParamSpec, plan_layout, torch_zero_loads
 
 ALIGN_BYTES = 64
 

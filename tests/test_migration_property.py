@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_zero.layout import ParamSpec, plan_layout
-from hf_zero.state import Holding, redistribute, split_canonical
+from hf_zero._layout import ParamSpec, plan_layout
+from hf_zero._state import Holding, redistribute, split_canonical
 
 
 class _Exchange:

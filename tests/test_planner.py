@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from hf_zero import cli, planner
+from hf_zero import _planner as planner, cli
 
 pytestmark = pytest.mark.timeout(120)
 

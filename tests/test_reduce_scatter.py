@@ -5,7 +5,7 @@ equal padded ranges (flat bucket layouts) and unequal ones (param mode), float64
 import pytest
 import torch
 
-from hf_zero.comm import Comm
+from hf_zero._comm import Comm
 from tests._dist import run_ranks
 
 BOUNDS = {

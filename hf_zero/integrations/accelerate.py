@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..optimizer import ZeroBucketOptimizer
+from .._optimizer import ZeroBucketOptimizer
 from . import _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
 from ._clipping import route_clipping

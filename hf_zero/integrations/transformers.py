@@ -18,7 +18,7 @@ import transformers.trainer
 from transformers import TrainerCallback
 from transformers.optimization import Adafactor
 
-from ..optimizer import ZeroBucketOptimizer
+from .._optimizer import ZeroBucketOptimizer
 from . import OPTIM_MEMBER, OPTIM_NAME, _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
 from .accelerate import ours

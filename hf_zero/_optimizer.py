@@ -15,9 +15,9 @@ from . import _scatter_hook, _sharded
 from ._codec import class_name, decode, encode
 from ._statedict import ShardedState, check_state_dict, group_problems, hyperparams, match_checkpoint, mismatch_error
 from ._overlap import ParamSyncOverlap
-from .comm import Comm, fingerprint
-from .layout import Layout, ParamSpec, Piece, is_elementwise, plan_layout
-from .state import Holding, Holdings, Kind, kind_of, redistribute, shape_as, split_canonical
+from ._comm import Comm, fingerprint
+from ._layout import Layout, ParamSpec, Piece, is_elementwise, plan_layout
+from ._state import Holding, Holdings, Kind, kind_of, redistribute, shape_as, split_canonical
 
 _NOT_HYPER = ("params", "param_names")
 GRAD_REDUCE = ("auto", "all_reduce", "reduce_scatter")

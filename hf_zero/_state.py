@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 
-from .comm import Comm
+from ._comm import Comm
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Plan a fine-tune before launching it: per-rank optimizer memory and balance.
 
 The model is built on the meta device from a Hugging Face config (no weights, no
-download), its parameters are turned into :class:`~hf_zero.layout.ParamSpec` and
-planned with :func:`~hf_zero.layout.plan_layout` for hf_zero's ``flat`` and
+download), its parameters are turned into :class:`~hf_zero._layout.ParamSpec` and
+planned with :func:`~hf_zero._layout.plan_layout` for hf_zero's ``flat`` and
 ``param`` modes, next to torch's ``ZeroRedundancyOptimizer`` partition of the same
 params (whole params, largest first, frozen params counted at full size).
 
@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
+from ._layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
 
 SCHEMA = "hf_zero.plan/1"
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
