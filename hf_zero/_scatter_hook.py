@@ -56,6 +56,7 @@ class BucketReducer:
         # The buckets of the previous syncing backward (those holding only this optimizer's params).
         self.last: tuple | None = None
         self.scattered: list[torch.Tensor] = []  # this backward: the owned range of each reduce-scattered bucket
+        self.scattered_params: set[int] = set()  # this backward: the params of those buckets
         self.reduced_since_step: set[int] = set()
         self._queued = False
 
@@ -68,9 +69,10 @@ class BucketReducer:
         opt = self._opt()
         structure = tuple(self.seen[k] for k in sorted(self.seen) if self.seen[k] is not None)
         scattered, self.seen, self.scattered = self.scattered, {}, []
+        in_scattered, self.scattered_params = self.scattered_params, set()
         if opt is None:
             return
-        if scattered and not _agree_on_finite(opt, scattered):
+        if scattered and not _agree_on_finite(opt, scattered, in_scattered):
             # Every rank's GradScaler skips this step (no optimizer.step()); what the grads
             # hold no longer matters, so the next syncing backward is not an error.
             self.reduced_since_step.clear()
@@ -117,15 +119,19 @@ def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annot
         return opt.comm.all_reduce_mean_(buffer)
     rank, n = opt.comm.rank, buffer.numel()
     state.scattered.append(buffer[min(bounds[rank], n) : min(bounds[rank + 1], n)])
+    state.scattered_params.update(composition)
     return opt.comm.reduce_scatter_(buffer, bounds)
 
 
-def _agree_on_finite(opt, owned: list[torch.Tensor]) -> bool:
+def _agree_on_finite(opt, owned: list[torch.Tensor], scattered: set[int]) -> bool:
     """Make GradScaler's inf check agree on every rank (see the module note); returns
-    whether all grads are finite. ``owned``: this rank's range of each reduce-scattered
-    bucket (DDP keeps the hook's result there)."""
+    whether all grads are finite everywhere, i.e. whether GradScaler would step.
+    ``owned``: this rank's range of each reduce-scattered bucket (DDP keeps the hook's
+    result there); the grads of other params (all-reduced, or averaged by hf_zero) are
+    checked whole."""
+    rest = [p.grad for i, p in enumerate(opt.params) if i not in scattered and p.grad is not None]
     local = torch.zeros((), dtype=torch.float32, device=opt.comm.device)
-    for g in owned:
+    for g in owned + rest:
         if not torch.isfinite(g).all():
             local.fill_(1)
             break
