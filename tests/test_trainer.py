@@ -416,3 +416,17 @@ def test_one_agreement_all_reduce_per_trainer_step(tmp_path):
                                   schedule={3: {"bert.embeddings.": False}, 5: {"bert.embeddings.": True}}):
         assert steps == 7
         assert calls == steps + 1
+
+
+def test_factory_with_a_decay_rule_selecting_no_param(tmp_path):
+    """A Trainer whose get_decay_parameter_names returns nothing gets one no-decay group."""
+
+    class NoDecayTrainer(Trainer):
+        def get_decay_parameter_names(self, model):
+            return []
+
+    model = tiny_bert()
+    trainer = NoDecayTrainer(model=model, args=_args(tmp_path, optim="zero_bucket", weight_decay=0.1))
+    opt = trainer.create_optimizer()
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["weight_decay"] == 0.0
+    assert len(opt.param_groups[0]["params"]) == len(list(model.parameters()))

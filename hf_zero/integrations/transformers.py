@@ -158,7 +158,8 @@ class ZeroBucketFactory:
                 "weight_decay": 0.0,
             },
         ]
-        opt = ZeroBucketOptimizer(groups, **kwargs)
+        # A decay rule that selects every param or none leaves one group empty: drop it.
+        opt = ZeroBucketOptimizer([g for g in groups if g["params"]], **kwargs)
         if trainer is not None:
             _TRAINER_OF[opt] = weakref.ref(trainer)
         return opt
