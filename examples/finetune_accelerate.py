@@ -113,6 +113,7 @@ def main() -> None:
     print_(f"load_state restored the saved weights exactly: {exact}")
     print_(f"eval accuracy: {before:.3f} before fine-tuning -> {after:.3f} after "
            f"({accelerator.num_processes} processes, ZeroBucketOptimizer)")
+    accelerator.end_training()  # destroys the process group: a clean exit on gloo (see finetune_trainer.py)
 
 
 if __name__ == "__main__":

@@ -98,6 +98,9 @@ def main() -> None:
     if trainer.is_world_process_zero():
         print(f"eval accuracy: {before:.3f} before fine-tuning -> {after:.3f} after "
               f"({trainer.accelerator.num_processes} processes, optim={args.optim.value})", flush=True)
+    # Ends cleanly: with torch 2.13 on gloo a process that exits with its process group alive
+    # sometimes aborts in C++ teardown ("terminate called without an active exception").
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

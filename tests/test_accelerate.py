@@ -90,6 +90,7 @@ def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir, sharded
     train(0, 3)
     inner = optimizer.optimizer
     storages = {p.untyped_storage().data_ptr() for p in model.module.parameters() if p.requires_grad}
+    buffers = len(inner.layout.buffers)
     at_save = params()
     accelerator.save_state(save_dir)
     train(3, STEPS)
@@ -106,6 +107,7 @@ def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir, sharded
         "after_load": after_load,
         "replayed": params(),
         "shared_storages": len(storages),
+        "buffers": buffers,
         "rebuilds": inner.rebuilds,
         "grad_reduce": inner.grad_reduce,
     }
@@ -179,8 +181,9 @@ def test_accelerate_loop_equals_one_process_and_save_load_state_is_exact(tmp_pat
             # load_state restored the saved weights exactly; replaying the steps is exact.
             assert torch.equal(r0["after_load"][n], r0["at_save"][n]), f"load_state: {n}"
             assert torch.equal(r0["replayed"][n], r0["final"][n]), f"replay after load_state: {n}"
-        # Bucket views: trainable params shared one storage when save_state ran.
-        assert r0["shared_storages"] == 1
+        # Bucket views: trainable params lived in hf_zero's buffers (one per DDP bucket with
+        # the gradient path) when save_state ran.
+        assert r0["shared_storages"] == r0["buffers"] < 5
         assert r0["rebuilds"] >= 4
         assert r0["grad_reduce"] == "reduce_scatter"  # Accelerate's default path, clipping routed
     from safetensors.torch import load_file
