@@ -69,7 +69,8 @@ def _register(name: str, function: str) -> None:
 
         warnings.warn(
             f"hf_zero could not register with {name} ({type(exc).__name__}: {exc}); optim='zero_bucket' "
-            f"may be unavailable in this process. Set {ENV_VAR}=0 to skip this start-up hook.",
+            f"or the Accelerate wiring may be unavailable in this process. Set {ENV_VAR}=0 to skip this "
+            "start-up hook.",
             RuntimeWarning,
         )
 
