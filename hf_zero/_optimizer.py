@@ -57,6 +57,9 @@ class _Iteration:
     """What happened since the last step (or ``zero_grad``): reset by both."""
 
     grads_averaged: bool = False
+    # The agreement all-reduce ran (in clip_grad_norm_, say) and nothing changed locally since:
+    # the step reuses it, so a training step costs one agreement however many readers check.
+    agreed: bool = False
 
 
 class _JoinHook(JoinHook):
@@ -301,12 +304,15 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             force or self._layout is None or mask != self._mask or not intact
             or self._layout.buckets != self._ddp_buckets
         )
+        if self._iteration.agreed and not need:
+            return  # see _Iteration.agreed
         agree, anyone_needs = self._comm.agree(self._fingerprint, need)
         if not agree:
             self._raise_disagreement(mask)
         if anyone_needs:
             self.wait_param_sync()
             self._rebuild(mask)
+        self._iteration.agreed = True
 
     def _check_agreement(self) -> None:
         """Before a checkpoint collective: raise on every rank unless all hold the same params."""
