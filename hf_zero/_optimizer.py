@@ -57,9 +57,6 @@ class _Iteration:
     """What happened since the last step (or ``zero_grad``): reset by both."""
 
     grads_averaged: bool = False
-    # The agreement all-reduce ran (in clip_grad_norm_, say) and nothing changed locally since:
-    # the step reuses it, so a training step costs one agreement however many readers check.
-    agreed: bool = False
 
 
 class _JoinHook(JoinHook):
@@ -304,15 +301,12 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             force or self._layout is None or mask != self._mask or not intact
             or self._layout.buckets != self._ddp_buckets
         )
-        if self._iteration.agreed and not need:
-            return  # see _Iteration.agreed
         agree, anyone_needs = self._comm.agree(self._fingerprint, need)
         if not agree:
             self._raise_disagreement(mask)
         if anyone_needs:
             self.wait_param_sync()
             self._rebuild(mask)
-        self._iteration.agreed = True
 
     def _check_agreement(self) -> None:
         """Before a checkpoint collective: raise on every rank unless all hold the same params."""
@@ -543,17 +537,16 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         left out, as they have no grad in a training step. Each rank sums its own
         elements only (valid whether the grads were all-reduced or reduce-scattered)
         and one scalar all-reduce makes the total; grads DDP does not reduce are
-        averaged first.
+        averaged first. No agreement check: the step makes it.
         """
         norm_type = float(norm_type)
         chosen = self._selected(parameters, "clip_grad_norm_")
-        self.ensure_partition()
         if not self._iteration.grads_averaged:
             self.average_unreduced_grads()
         grads = [
-            lp.param.grad.reshape(-1)[lp.piece.start : lp.piece.stop]
-            for lp in self._pieces
-            if lp.param.grad is not None and lp.piece.index in chosen
+            self._params[pc.index].grad.reshape(-1)[pc.start : pc.stop]
+            for pc in self._norm_pieces()
+            if pc.index in chosen and self._params[pc.index].grad is not None
         ]
         first = next((self._params[i].grad for i in sorted(chosen) if self._params[i].grad is not None), None)
         dtype = first.dtype if first is not None else torch.float32
@@ -581,6 +574,18 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                 if g is not None:
                     g.mul_(coef.to(device=g.device, dtype=g.dtype))
         return total.to(first.device) if first is not None else total
+
+    def _norm_pieces(self) -> list[Piece]:
+        """The elements this rank counts in a sharded norm: its pieces, planned afresh
+        (no collective: every rank has the same trainable set) when trainability changed
+        since the last step. The DDP buckets stay those of the current layout, whose
+        ranges the grads were reduce-scattered into; other grads are whole on every rank."""
+        mask = tuple(p.requires_grad for p in self._params)
+        if self._layout is not None and mask == self._mask:
+            return [lp.piece for lp in self._pieces]
+        buckets = self._layout.buckets if self._layout is not None else ()
+        layout = plan_layout(self._specs(), world_size=self._comm.world_size, shard=self.shard, buckets=buckets)
+        return layout.pieces(self._comm.rank)
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float, *, parameters=None) -> None:
