@@ -355,16 +355,21 @@ def _trainer_rank(rank, world_size, template, cfg) -> dict:
     if not zero_bucket_registered():
         return {"measured": False, "why": "`import hf_zero` does not register optim='zero_bucket' in this checkout"}
     steps = {b: {o: [] for o in TRAINER_OPTIMS} for b in tcfg["batches"]}
+    paths = set()
     for r in range(tcfg["rounds"]):
         for b in tcfg["batches"]:
             for optim in random.Random(f"trainer-{r}-{b}").sample(TRAINER_OPTIMS, len(TRAINER_OPTIMS)):
-                steps[b][optim].append(_train(rank, world_size, template, optim, b, cfg))
+                intervals, path = _train(rank, world_size, template, optim, b, cfg)
+                steps[b][optim].append(intervals)
+                if path is not None:
+                    paths.add(path)
                 gc.collect()
-    return {"measured": True, "step_s": steps}
+    return {"measured": True, "step_s": steps, "zero_bucket_path": sorted(paths)}
 
 
-def _train(rank, world_size, template, optim, batch, cfg) -> list[float]:
-    """Seconds between consecutive forward starts of one ``Trainer.train()``, after warm-up."""
+def _train(rank, world_size, template, optim, batch, cfg) -> tuple[list[float], tuple | None]:
+    """Seconds between consecutive forward starts of one ``Trainer.train()``, after warm-up;
+    for zero_bucket, the gradient path the Trainer chose: (grad_reduce, overlapped sync)."""
     os.environ.setdefault("ACCELERATE_USE_CPU", "1")
     import torch
     import transformers
@@ -390,9 +395,11 @@ def _train(rank, world_size, template, optim, batch, cfg) -> list[float]:
         trainer = Trainer(model=model, args=args, train_dataset=data)
         trainer.remove_callback(PrinterCallback)
         trainer.train()
+        opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
+        path = (opt.grad_reduce, opt.overlaps_param_sync) if isinstance(opt, hf_zero.ZeroBucketOptimizer) else None
     if len(starts) != max_steps:
         raise RuntimeError(f"Trainer ran {len(starts)} forwards for {max_steps} steps")
-    return [b - a for a, b in zip(starts, starts[1:])][tcfg["warmup"]:]
+    return [b - a for a, b in zip(starts, starts[1:])][tcfg["warmup"]:], path
 
 
 # -- results ---------------------------------------------------------------------------------------------
@@ -479,7 +486,7 @@ def _analyse_trainer(per_rank: list[dict], cfg: dict) -> dict:
             "ratio_max": max(ratios),
             "ratios": ratios,
         }
-    return {"measured": True, "batches": rows}
+    return {"measured": True, "batches": rows, "zero_bucket_path": per_rank[0]["zero_bucket_path"]}
 
 
 def _goals(tables, trainer) -> list[dict]:
@@ -576,7 +583,9 @@ def markdown(res: dict) -> str:
             f"Trainer (`Trainer.train()`, same model, seq {cfg['seq']}, `ddp_find_unused_parameters=False`, "
             f"default clipping at 1.0): `optim=\"zero_bucket\"` (defaults) vs `optim=\"adamw_torch\"`, "
             f"{tc['rounds']} paired runs per batch size in a shuffled order, each {tc['warmup']} warm-up + "
-            f"{tc['steps']} timed steps (forward start to next forward start, slowest rank, median per run):",
+            f"{tc['steps']} timed steps (forward start to next forward start, slowest rank, median per run); "
+            "zero_bucket ran with (grad_reduce, overlapped sync) = "
+            + ", ".join(f"`{tuple(p)}`" for p in t["zero_bucket_path"]) + ":",
             "",
             "| batch | adamw_torch ms | zero_bucket ms | zero_bucket / adamw_torch, median [min, max] over runs |",
             "|---|---|---|---|",
