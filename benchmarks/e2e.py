@@ -583,9 +583,9 @@ def markdown(res: dict) -> str:
             f"Trainer (`Trainer.train()`, same model, seq {cfg['seq']}, `ddp_find_unused_parameters=False`, "
             f"default clipping at 1.0): `optim=\"zero_bucket\"` (defaults) vs `optim=\"adamw_torch\"`, "
             f"{tc['rounds']} paired runs per batch size in a shuffled order, each {tc['warmup']} warm-up + "
-            f"{tc['steps']} timed steps (forward start to next forward start, slowest rank, median per run); "
-            "zero_bucket ran with (grad_reduce, overlapped sync) = "
-            + ", ".join(f"`{tuple(p)}`" for p in t["zero_bucket_path"]) + ":",
+            f"{tc['steps']} timed steps (forward start to next forward start, slowest rank, median per run)"
+            + ("; zero_bucket ran with (grad_reduce, overlapped sync) = "
+               + ", ".join(f"`{tuple(p)}`" for p in t["zero_bucket_path"]) if "zero_bucket_path" in t else "") + ":",
             "",
             "| batch | adamw_torch ms | zero_bucket ms | zero_bucket / adamw_torch, median [min, max] over runs |",
             "|---|---|---|---|",
@@ -597,6 +597,37 @@ def markdown(res: dict) -> str:
     lines += ["", "| batch | who | goal | median | met |", "|---|---|---|---|---|"]
     for g in res["goals"]:
         lines.append(f"| {g['batch']} | {g['who']} | {g['goal']} | {g['median']:.3f} | {'yes' if g['met'] else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _run_label(res: dict) -> str:
+    env = res["env"]
+    return (f"{env['date_utc']}, {env['cpu_count']} cores, load {env['load_start']:.1f}-{env['load_end']:.1f}, "
+            f"torch {env['torch']}")
+
+
+def summary_markdown(runs: list[dict]) -> str:
+    """Medians of several runs side by side, and the median over all their rounds pooled."""
+    heads = [f"run {i + 1}" for i in range(len(runs))]
+    lines = ["Runs: " + "; ".join(f"**{h}** {_run_label(r)} (`{r['env']['command']}`, checkout `{r['env']['git']}`)"
+                                  for h, r in zip(heads, runs)) + ".", "",
+             "| batch | contender (ratio to `ddp_adamw`) | " + " | ".join(heads) + " | all rounds pooled |",
+             "|---|---|" + "---|" * len(runs) + "---|"]
+    batches = [str(b) for b in runs[0]["config"]["batches"]]
+    for b in batches:
+        for n in CONTENDERS:
+            if n == BASELINE:
+                continue
+            rows = [r["iteration"][b][n] for r in runs]
+            pooled = _median([x for row in rows for x in row["ratios"]])
+            lines.append(f"| {b} | `{n}` | " + " | ".join(f"{row['ratio_median']:.3f}" for row in rows)
+                         + f" | {pooled:.3f} |")
+    if all(r["trainer"].get("measured") for r in runs):
+        for b in runs[0]["trainer"]["batches"]:
+            rows = [r["trainer"]["batches"][b] for r in runs]
+            pooled = _median([x for row in rows for x in row["ratios"]])
+            lines.append(f"| {b} | Trainer `zero_bucket` / `adamw_torch` | "
+                         + " | ".join(f"{row['ratio_median']:.3f}" for row in rows) + f" | {pooled:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -645,8 +676,21 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_out/e2e", help="output folder (default: bench_out/e2e)")
     parser.add_argument("--docs", default=None, help="markdown file whose e2e section is rewritten "
                                                      "(default: docs/benchmarks.md for a full run, none for --smoke)")
+    parser.add_argument("--render", nargs="+", metavar="E2E_JSON", default=None,
+                        help="run nothing: write the section from saved runs' e2e.json files (the last one in "
+                             "full, then every run's medians side by side) to --docs (default docs/benchmarks.md)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    if args.render:
+        runs = [json.loads(Path(f).read_text()) for f in args.render]
+        md = markdown(runs[-1])
+        if len(runs) > 1:
+            md += "\n### Every run\n\n" + summary_markdown(runs)
+        docs = Path(args.docs or ROOT / "docs" / "benchmarks.md")
+        write_docs(docs, md)
+        print(md)
+        print(f"updated {docs}")
+        return 0
     cfg = copy.deepcopy(SMOKE if args.smoke else FULL)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -61,3 +61,12 @@ def test_smoke_run(tmp_path):
         row = trainer["batches"][str(b)]
         assert row["ratio_median"] > 0 and all(v > 0 for v in row["step_ms_median"].values())
     assert {g["who"] for g in res["goals"]} >= {"hf_zero_rs_overlap", "trainer zero_bucket"}
+
+    # --render rebuilds the section from saved runs: the last in full, every run's medians side by side.
+    saved = str(tmp_path / "out" / "e2e.json")
+    assert e2e.main(["--render", saved, saved, "--docs", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.count(e2e.BEGIN) == 1 and text.endswith("\n\nafter\n")
+    summary = text.split("### Every run", 1)[1]
+    median = res["iteration"]["1"]["hf_zero_rs_overlap"]["ratio_median"]
+    assert f"| 1 | `hf_zero_rs_overlap` | {median:.3f} | {median:.3f} | {median:.3f} |" in summary
