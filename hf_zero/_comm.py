@@ -6,9 +6,11 @@ must call it with arguments of the same shape, in the same order.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import ctypes
 import hashlib
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,7 @@ class Comm:
                 raise ValueError("process_group was given but torch.distributed is not initialized")
             self.rank, self.world_size, self.backend = 0, 1, None
             self._free = {}
+            self._keep_works = False
             return
         self._free: dict[tuple, list[torch.Tensor]] = {}  # see _scratch
         self.rank = dist.get_rank(process_group)
@@ -43,6 +46,7 @@ class Comm:
             )
         self.world_size = dist.get_world_size(process_group)
         self.backend = str(dist.get_backend(process_group)).lower()
+        self._keep_works = self.backend == "gloo"  # see [Note: no Python on communication threads]
         # See [Note: sync collective]; an attribute so tests can take either path on gloo.
         self.sync_by_all_gather = self.backend == "nccl"
         # See [Note: reduce-scatter collective]; an attribute so tests can take each path on gloo.
@@ -51,6 +55,15 @@ class Comm:
             r if process_group is None else dist.get_global_rank(process_group, r)
             for r in range(self.world_size)
         ]
+
+    def _pending(self, works: list, what: str, finish: Callable[[], Any] | None = None) -> "Pending":
+        if self._keep_works:
+            _KEPT.extend(works)
+        return Pending(works, what, self.rank, finish=finish)
+
+    def _wait(self, work, what: str) -> None:
+        """Wait for one collective started with ``async_op=True`` (see ``Pending``)."""
+        self._pending([work], what).wait()
 
     def same_group(self, process_group) -> bool:
         """Whether ``process_group`` (None: the world) has exactly this group's ranks, in order."""
@@ -99,20 +112,21 @@ class Comm:
                     for r, (a, b) in enumerate(zip(bounds, bounds[1:]))
                     if b > a
                 ]
-        pending = Pending(works, "the parameter sync", self.rank)
+        pending = self._pending(works, "the parameter sync")
         if async_op:
             return pending
         pending.wait()
         return None
 
     # -- gradients: reduce-scatter ---------------------------------------------------
-    def reduce_scatter_(self, buffer: torch.Tensor, bounds: Sequence[int]) -> torch.futures.Future:
-        """Average ``buffer`` over ranks into this rank's range only. Asynchronous.
+    def reduce_scatter_(self, buffer: torch.Tensor, bounds: Sequence[int]) -> "Pending":
+        """Average ``buffer`` over ranks into this rank's range only. Asynchronous: the
+        :class:`Pending`'s ``wait()`` finishes the average and returns ``buffer``.
 
         Afterwards ``buffer[bounds[r]:bounds[r+1]]`` (cut at ``buffer.numel()``: bounds may
         run past the end, into padding) holds the mean over ranks on rank r; the rest of
         ``buffer`` holds this rank's own values (divided by the world size for dtypes
-        narrower than 32 bits). The future's value is ``buffer``.
+        narrower than 32 bits).
 
         [Note: reduce-scatter collective]
         Measured on gloo (2 and 3 ranks, 4-120 MB fp32, docs/gradient_path.md): the
@@ -132,7 +146,7 @@ class Comm:
         if len(bounds) != world + 1 or bounds[0] != 0 or bounds[-1] < n:
             raise ValueError(f"bounds {list(bounds)} must start at 0 and cover all {n} elements, one range per rank")
         if world == 1:
-            return _done(buffer)
+            return self._pending([], "", finish=lambda: buffer)
         clipped = [min(b, n) for b in bounds]
         lo, hi = clipped[self.rank], clipped[self.rank + 1]
         mine = buffer[lo:hi]
@@ -184,7 +198,7 @@ class Comm:
                 def finish():
                     return buffer
 
-        return _then(work, finish, "reduce-scattering gradients", self.rank)
+        return self._pending([work], "reduce-scattering gradients", finish=finish)
 
     def _scratch(self, numel: int, dtype, device) -> torch.Tensor:
         """A receive buffer. On the CPU, freed ones are kept and reused: a fresh allocation
@@ -201,23 +215,22 @@ class Comm:
         if t.device.type == "cpu":
             self._free.setdefault((t.numel(), t.dtype), []).append(t)
 
-    def all_reduce_mean_(self, buffer: torch.Tensor) -> torch.futures.Future:
-        """Average ``buffer`` over ranks in place (every element). Asynchronous; the
-        future's value is ``buffer``."""
-        if self.world_size == 1:
-            return _done(buffer)
-        buffer.div_(self.world_size)
+    def all_reduce_mean_(self, buffer: torch.Tensor) -> "Pending":
+        """Average ``buffer`` over ranks in place (every element). Asynchronous: the
+        :class:`Pending`'s ``wait()`` returns ``buffer``."""
+        if self.world_size > 1:
+            buffer.div_(self.world_size)
         with _named("averaging gradients", self.rank):
-            work = dist.all_reduce(buffer, group=self.group, async_op=True)
-
-        return _then(work, lambda: buffer, "averaging gradients", self.rank)
+            works = [dist.all_reduce(buffer, group=self.group, async_op=True)] if self.world_size > 1 else []
+        return self._pending(works, "averaging gradients", finish=lambda: buffer)
 
     def all_reduce_(self, tensor: torch.Tensor, *, op: str, what: str) -> torch.Tensor:
         """Sum (``op="sum"``) or max (``op="max"``) a small tensor over ranks, in place."""
         if self.world_size > 1:
             red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
             with _named(what, self.rank):
-                dist.all_reduce(tensor, op=red, group=self.group)
+                work = dist.all_reduce(tensor, op=red, group=self.group, async_op=True)
+            self._wait(work, what)
         return tensor
 
     # -- agreement ----------------------------------------------------------------
@@ -230,7 +243,8 @@ class Comm:
             return True, flag
         t = torch.tensor([fingerprint, -fingerprint, int(flag)], dtype=torch.int64, device=self.device)
         with _named("the cross-rank layout agreement check", self.rank):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._wait(work, "the cross-rank layout agreement check")
         return int(t[0]) == -int(t[1]), bool(t[2])
 
     def all_gather_object(self, obj: Any) -> list:
@@ -263,7 +277,8 @@ class Comm:
                     flat[k] = 1
                 offset += p.numel()
             with _named("averaging grads DDP does not reduce", self.rank):
-                dist.all_reduce(flat, group=self.group)
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
+            self._wait(work, "averaging grads DDP does not reduce")
             present = flat[: len(ps)].tolist()
             flat.div_(self.world_size)
             offset = len(ps)
@@ -286,53 +301,55 @@ class Comm:
         inp = torch.cat(list(send)) if send else torch.empty(0, dtype=dtype, device=device)
         out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
         with _named("moving optimizer state between ranks", self.rank):
-            dist.all_to_all_single(out, inp, list(recv_sizes), send_sizes, group=self.group)
+            work = dist.all_to_all_single(out, inp, list(recv_sizes), send_sizes, group=self.group, async_op=True)
+        self._wait(work, "moving optimizer state between ranks")
         return list(out.split(list(recv_sizes)))
 
     def barrier(self) -> None:
         if self.world_size > 1:
             with _named("a barrier", self.rank):
-                dist.barrier(group=self.group)
+                work = dist.barrier(group=self.group, async_op=True)
+            self._wait(work, "a barrier")
 
 
 class Pending:
-    """Collectives in flight; :meth:`wait` once (later calls return at once)."""
+    """Collectives in flight. :meth:`wait` once: it waits, runs ``finish`` (on the calling
+    thread) and returns its result; later calls return None at once.
 
-    def __init__(self, works: list, what: str, rank: int):
-        self._works, self._what, self._rank = works, what, rank
+    [Note: no Python on communication threads]
+    A gloo worker thread that drops the last reference to a work object frees its
+    tensors, and freeing a tensor Python knows takes the GIL; so does running a
+    ``Future.then`` callback. While the interpreter is finalizing, a thread taking the GIL
+    is ended and C++ aborts the process ("terminate called without an active exception";
+    seen with ``gdb`` in ``ProcessGroupGloo::runLoop`` freeing an ``AsyncBroadcastWork``,
+    cf. pytorch/pytorch#179291). So nothing of hf_zero runs on a backend's threads (results
+    are finished by whoever waits), and on gloo the work objects of hf_zero's collectives
+    are kept from their start (``_KEPT``), waited for or not: a worker thread never holds
+    the last reference.
+    """
 
-    def wait(self) -> None:
+    def __init__(self, works: list, what: str, rank: int, finish: Callable[[], Any] | None = None):
+        self._works, self._what, self._rank, self._finish = works, what, rank, finish
+
+    def wait(self) -> Any:
         works, self._works = self._works, []
+        finish, self._finish = self._finish, None
         with _named(self._what, self._rank):
             for w in works:
                 w.wait()
+        return finish() if finish is not None else None
 
     @property
     def done(self) -> bool:
-        return not self._works
+        return not self._works and self._finish is None
 
 
-def _then(work, finish, what: str, rank: int) -> torch.futures.Future:
-    """A future of ``finish()`` run once ``work`` completes (at once where the backend's
-    work has no future: gloo's reduce_scatter_tensor)."""
-    try:
-        fut = work.get_future()
-    except RuntimeError:
-        with _named(what, rank):
-            work.wait()
-        return _done(finish())
-
-    def run(f):
-        f.wait()
-        return finish()
-
-    return fut.then(run)
-
-
-def _done(value) -> torch.futures.Future:
-    fut = torch.futures.Future()
-    fut.set_result(value)
-    return fut
+# The work objects of hf_zero's recent gloo collectives: a collective's worker thread lets
+# go of its reference a moment after the waiter wakes, or later when nobody waits (see the
+# note on Pending). Never freed, so the last ones are still held at interpreter exit; older
+# ones are let go by the thread that starts new collectives, long after they finished.
+_KEPT: "collections.deque" = collections.deque(maxlen=64)
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT))
 
 
 def fingerprint(items: Sequence[Any]) -> int:

@@ -59,6 +59,25 @@ class _Iteration:
     grads_averaged: bool = False
 
 
+_NORM_CHUNK = 1 << 14
+
+
+def _pow_sum(g: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """sum(|g|^p) of a 1-D grad in float64 without a float64 copy of it: the norms of
+    16K-element chunks in the grad's own dtype (rounding error ~1e-7, where one norm
+    over millions of float32 elements is off by ~1e-4), raised and summed in float64."""
+    if g.dtype == torch.float64:
+        return torch.linalg.vector_norm(g, norm_type).pow(norm_type)
+    full = g.numel() - g.numel() % _NORM_CHUNK
+    total = torch.zeros((), dtype=torch.float64, device=g.device)
+    if full:
+        norms = torch.linalg.vector_norm(g[:full].view(-1, _NORM_CHUNK), norm_type, dim=1, dtype=torch.float32)
+        total += norms.double().pow(norm_type).sum()
+    if full < g.numel():
+        total += torch.linalg.vector_norm(g[full:], norm_type, dtype=torch.float32).double().pow(norm_type)
+    return total
+
+
 class _JoinHook(JoinHook):
     """Shadows the step's collectives on a rank that ran out of inputs (as torch's ZeRO does)."""
 
@@ -390,9 +409,14 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if self._comm.world_size == 1:
             return
         if self._overlap is not None and self.parameters_as_bucket_view:
+            # In the order the next forward needs them (the params' order, which models
+            # register as they run), not DDP's backward order: the first layers wait least.
+            # The same order on every rank: it depends only on the agreed layout.
+            plans = self._layout.buffers
+            first = [min((slot.index for slot in plan.slots), default=len(self._params)) for plan in plans]
             pending = {
-                b: self._comm.sync_buffer(buf, plan.bounds, async_op=True)
-                for b, (buf, plan) in enumerate(zip(self._buffers, self._layout.buffers))
+                b: self._comm.sync_buffer(self._buffers[b], plans[b].bounds, async_op=True)
+                for b in sorted(range(len(plans)), key=lambda b: (first[b], b))
             }
             where = {id(self._params[i]): b for i, (b, _) in self._layout.slots().items()}
             self._overlap.launch(pending, where)
@@ -552,13 +576,13 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         dtype = first.dtype if first is not None else torch.float32
         device = self._comm.device
         if norm_type == float("inf"):
-            local = max((g.abs().max().double().to(device) for g in grads if g.numel()), default=None)
+            local = max((torch.linalg.vector_norm(g, norm_type).double().to(device) for g in grads if g.numel()), default=None)
             total = torch.zeros((), dtype=torch.float64, device=device) if local is None else local.clone()
             total = self._comm.all_reduce_(total, op="max", what="the gradient norm")
         else:
             total = torch.zeros((), dtype=torch.float64, device=device)
             for g in grads:
-                total += torch.linalg.vector_norm(g.double(), norm_type).pow(norm_type).to(device)
+                total += _pow_sum(g, norm_type).to(device)
             total = self._comm.all_reduce_(total, op="sum", what="the gradient norm").pow(1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(

@@ -20,8 +20,13 @@ structure the optimizer plans with changes only when two consecutive backwards s
 the same one, so the step that follows a reduce-scatter always uses the ranges the
 grads were reduced into.
 
-After the backward (a final autograd callback queued from inside the first hook runs
-after DDP has written the hooks' results into ``.grad``): one scalar MAX all-reduce of
+Each hook starts its bucket's collective and returns a future that an end-of-backward
+callback, queued by the first hook and so run before DDP's finalizer, completes on the
+backward's own thread (waiting, then the local sum of the received ranges): nothing runs
+on the backend's threads ([Note: no Python on communication threads] in comm.py).
+
+After the backward (a callback queued from that one runs after DDP has written the
+hooks' results into ``.grad``): one scalar MAX all-reduce of
 "a non-finite grad in my owned ranges". A local inf/NaN anywhere makes its owner's
 average non-finite, so when no rank sets the flag no rank's grads hold one, and when
 one does every rank gets a NaN written into the same grad element: GradScaler's
@@ -59,9 +64,33 @@ class BucketReducer:
         self.scattered_params: set[int] = set()  # this backward: the params of those buckets
         self.reduced_since_step: set[int] = set()
         self._queued = False
+        # This backward's collectives and the futures DDP waits on: finished on the
+        # backward's own thread before DDP's finalizer runs (see _finish_collectives).
+        self._in_flight: list[tuple[torch.futures.Future, object]] = []
+        # DDP's static graph runs every hook of its first backward inside its own
+        # end-of-backward callback and waits there: finish each collective in its hook.
+        self.finish_in_hook = False
 
     def step_taken(self) -> None:
         self.reduced_since_step.clear()
+
+    def defer(self, pending) -> torch.futures.Future:
+        """The future DDP waits on for ``pending`` (a ``comm.Pending`` whose value is the bucket)."""
+        fut = torch.futures.Future()
+        if self.finish_in_hook:
+            fut.set_result(pending.wait())
+        else:
+            self._in_flight.append((fut, pending))
+        return fut
+
+    def _finish_collectives(self) -> None:
+        """Runs before DDP's finalizer: wait for each bucket's collective, finish it
+        here rather than in a callback on the backend's thread ([Note: no Python on
+        communication threads] in comm.py), and hand DDP its result."""
+        in_flight, self._in_flight = self._in_flight, []
+        for fut, pending in in_flight:
+            fut.set_result(pending.wait())
+        queue_end_of_backward(self._after_backward)
 
     def _after_backward(self) -> None:
         """Runs after DDP's own end-of-backward work (grads written)."""
@@ -84,6 +113,7 @@ class BucketReducer:
 def attach(ddp: torch.nn.parallel.DistributedDataParallel, optimizer) -> BucketReducer | str:
     """Register the hook on ``ddp``; returns its state, or why it cannot be used."""
     state = BucketReducer(optimizer)
+    state.finish_in_hook = bool(getattr(ddp, "static_graph", False))
     try:
         ddp.register_comm_hook(state, _hook)
     except RuntimeError as e:  # DDP takes one comm hook, registered before any backward
@@ -95,7 +125,7 @@ def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annot
     opt = state._opt()
     buffer = bucket.buffer()
     if opt is None:  # the optimizer is gone: average, as DDP would
-        return state.comm.all_reduce_mean_(buffer)
+        return _done(state.comm.all_reduce_mean_(buffer).wait())
     k = bucket.index()
     if k in state.reduced_since_step:
         raise RuntimeError(
@@ -107,8 +137,8 @@ def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annot
     state.reduced_since_step.add(k)
     if not state._queued:
         state._queued = True
-        # Queued now, this callback would run before DDP's finalizer; re-queued from there, after it.
-        queue_end_of_backward(lambda: queue_end_of_backward(state._after_backward))
+        # Queued now, this callback runs before DDP's finalizer; it queues _after_backward, which runs after it.
+        queue_end_of_backward(state._finish_collectives)
     indices = tuple(opt.param_index(p) for p in bucket.parameters())
     composition = None if None in indices else indices
     state.seen[k] = composition
@@ -116,11 +146,17 @@ def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annot
     if composition is not None and state.last is not None and opt.ddp_buckets_planned() == state.last:
         bounds = opt.bucket_bounds(composition)
     if bounds is None:
-        return opt.comm.all_reduce_mean_(buffer)
+        return state.defer(opt.comm.all_reduce_mean_(buffer))
     rank, n = opt.comm.rank, buffer.numel()
     state.scattered.append(buffer[min(bounds[rank], n) : min(bounds[rank + 1], n)])
     state.scattered_params.update(composition)
-    return opt.comm.reduce_scatter_(buffer, bounds)
+    return state.defer(opt.comm.reduce_scatter_(buffer, bounds))
+
+
+def _done(value) -> torch.futures.Future:
+    fut = torch.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 def _agree_on_finite(opt, owned: list[torch.Tensor], scattered: set[int]) -> bool:
@@ -131,10 +167,8 @@ def _agree_on_finite(opt, owned: list[torch.Tensor], scattered: set[int]) -> boo
     checked whole."""
     rest = [p.grad for i, p in enumerate(opt.params) if i not in scattered and p.grad is not None]
     local = torch.zeros((), dtype=torch.float32, device=opt.comm.device)
-    for g in owned + rest:
-        if not torch.isfinite(g).all():
-            local.fill_(1)
-            break
+    if not _all_finite(owned + rest):
+        local.fill_(1)
     if opt.comm.all_reduce_(local, op="max", what="agreeing on non-finite gradients").item() == 0:
         return True
     for p in opt.params:  # the same param on every rank: grads are present alike everywhere
@@ -142,3 +176,17 @@ def _agree_on_finite(opt, owned: list[torch.Tensor], scattered: set[int]) -> boo
             p.grad.view(-1)[0] = float("nan")
             break
     return False
+
+
+def _all_finite(grads: list[torch.Tensor]) -> bool:
+    """Whether no grad holds an inf or NaN. A sum is finite only when every element is, so
+    one pass of sums (a tenth of ``isfinite`` on CPU) settles the common case; a sum that
+    overflowed from finite values is told apart by the exact check."""
+    grads = [g for g in grads if g.numel()]
+    if not grads:
+        return True
+    device = grads[0].device
+    sums = torch.stack([g.sum(dtype=torch.float32 if g.element_size() < 4 else None).float().to(device) for g in grads])
+    if bool(torch.isfinite(sums).all()):
+        return True
+    return all(bool(torch.isfinite(g).all()) for g in grads)

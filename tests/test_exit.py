@@ -1,11 +1,13 @@
-"""No hang or crash at exit: 20 consecutive short runs at 2 and at 4 ranks, each rank a
-fresh interpreter that exits for real, on the gradient path with the overlapped
-parameter sync still in flight when the script ends (tests/scripts/exit_run.py).
+"""No hang or crash at exit: 10 consecutive short runs at 2 and at 4 ranks for each way a
+script ends, each rank a fresh interpreter that exits for real, on the gradient path with
+the overlapped parameter sync still in flight when training ends (tests/scripts/exit_run.py).
 
-The script ends by destroying the process group, as scripts should (Accelerate's
-``end_training()`` does). Without that, torch 2.13's gloo process group itself aborts at
-interpreter exit now and then ("terminate called without an active exception"), with
-plain AdamW as with hf_zero: docs/gradient_path.md.
+``destroy``: the script waits for the sync and destroys the process group, as
+Accelerate's ``end_training()`` does. ``plain``: it just ends, as most scripts and
+Trainer do; the optimizer is freed with the sync still in flight. Before hf_zero kept
+its gloo work objects ([Note: no Python on communication threads] in hf_zero/_comm.py),
+``plain`` aborted 7 runs of 10 at 2 ranks here, and ``destroy`` aborted now and then on
+a loaded machine: a gloo thread freed a work object while Python was finalizing.
 """
 
 import os
@@ -18,7 +20,7 @@ import pytest
 
 SCRIPT = Path(__file__).parent / "scripts" / "exit_run.py"
 ROOT = str(Path(__file__).resolve().parent.parent)
-RUNS = 20
+RUNS = 10
 
 
 def _free_port() -> int:
@@ -27,20 +29,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(world_size: int) -> list[tuple[int | str, str]]:
+def _run(world_size: int, end: str) -> list[tuple[int | str, str]]:
     port = _free_port()
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--end", "destroy"], env=env,
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "--end", end], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
     for p in procs:
         try:
             stdout, stderr = p.communicate(timeout=90)
-            out.append((p.returncode, stdout + stderr[-500:]))
+            out.append((p.returncode, stdout + stderr[-4000:]))
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
@@ -49,12 +51,13 @@ def _run(world_size: int) -> list[tuple[int | str, str]]:
     return out
 
 
-@pytest.mark.reliability("Exit: {world_size} ranks, 20 consecutive short runs ending with the overlapped sync in flight",
-                         "every rank exits 0, none hangs")
-@pytest.mark.timeout(1200)
+@pytest.mark.reliability("Exit: {world_size} ranks, 10 consecutive short runs ending with the overlapped sync in flight, "
+                         "the script ending with '{end}'", "every rank exits 0, none hangs")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("end", ["plain", "destroy"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_no_hang_or_crash_at_exit_in_consecutive_runs(world_size):
+def test_no_hang_or_crash_at_exit_in_consecutive_runs(world_size, end):
     for i in range(RUNS):
-        results = _run(world_size)
+        results = _run(world_size, end)
         for rank, (code, text) in enumerate(results):
             assert code == 0 and f"rank {rank} done" in text, f"run {i}, rank {rank}: exit {code}\n{text}"

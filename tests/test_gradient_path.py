@@ -41,6 +41,7 @@ class Case:
     clip_norm: float | None = None
     clip_value: float | None = None
     primitive: str = "all_to_all"  # Comm.reduce_scatter_by
+    static_graph: bool = False  # DDP's static_graph: its first backward runs every hook in its finalizer
 
 
 CASES = {
@@ -65,6 +66,7 @@ CASES = {
     "native-reduce-scatter": Case(Setup(), primitive="reduce_scatter", clip_norm=0.05),
     "native-reduce-scatter-param": Case(Setup(shard="param"), primitive="reduce_scatter"),
     "tiny-ranks-owning-nothing": Case(Setup(model="tiny")),
+    "static-graph": Case(Setup(), find_unused=False, static_graph=True, overlap=True),
 }
 
 
@@ -113,7 +115,7 @@ def _train(rank, world_size, case: Case):
     opt = make_zero(setup, model, grad_reduce="reduce_scatter", overlap_param_sync=case.overlap)
     opt.comm.reduce_scatter_by = case.primitive
     ddp = DDP(model, find_unused_parameters=case.find_unused, gradient_as_bucket_view=case.grad_as_bucket_view,
-              bucket_cap_mb=BUCKET_MB)
+              bucket_cap_mb=BUCKET_MB, static_graph=case.static_graph)
     opt.bind_ddp(ddp)
     scattered = []
     reduce_scatter = opt.comm.reduce_scatter_
@@ -123,7 +125,15 @@ def _train(rank, world_size, case: Case):
         return reduce_scatter(buffer, bounds)
 
     opt.comm.reduce_scatter_ = counted
-    norms = _loop(case, model, opt, ddp, world_size=world_size, rank=rank)
+    # Nothing of hf_zero may run on gloo's threads (a Future.then callback would): see
+    # [Note: no Python on communication threads] in hf_zero/_comm.py.
+    then_calls = []
+    then = torch._C.Future.then  # the base of torch.futures.Future and of work.get_future()'s futures
+    torch._C.Future.then = lambda self, callback: then_calls.append(callback) or then(self, callback)
+    try:
+        norms = _loop(case, model, opt, ddp, world_size=world_size, rank=rank)
+    finally:
+        torch._C.Future.then = then
     model.state_dict()  # with overlap, the last step's sync is still in flight: this drains it
     params = params_of(model)
     opt.consolidate_state_dict(to=0)
@@ -132,6 +142,7 @@ def _train(rank, world_size, case: Case):
         "state_dict": opt.state_dict() if rank == 0 else None,
         "norms": norms,
         "scattered": len(scattered),
+        "then_calls": len(then_calls),
         "overlap": opt.overlaps_param_sync,
         "grad_reduce": opt.grad_reduce,
     }
@@ -166,6 +177,7 @@ def test_reduce_scatter_matches_reference(name, world_size):
     assert_state_dict_equal(per_rank[0]["state_dict"], ref_state)
     for r in per_rank:
         assert r["grad_reduce"] == "reduce_scatter" and r["overlap"] == case.overlap
+        assert r["then_calls"] == 0
         torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=1e-10, atol=0)
         # The bucket structure is confirmed by the second backward (the fourth where DDP
         # rebuilds its buckets after the first iteration); every later one reduce-scatters.

@@ -5,9 +5,8 @@ steps with grad_reduce="reduce_scatter" and the overlapped parameter sync, so th
 last step's sync is still in flight when training ends. ``--end`` says how the
 script ends: ``destroy`` as the integrations end training (wait for the sync, as
 Trainer's train end and Accelerate's ``end_training()`` do with hf_zero, then destroy
-the process group, as ``end_training()`` does), or ``plain`` (fall off the end: the
-sync is waited for at interpreter exit; torch's gloo may then abort, see
-docs/gradient_path.md).
+the process group, as ``end_training()`` does), or ``plain`` (fall off the end, as most
+scripts do: the optimizer is freed with its sync in flight; see docs/gradient_path.md).
 """
 
 import argparse
