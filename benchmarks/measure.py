@@ -10,16 +10,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-# torch.distributed functions that move data between ranks. Wrapping the module
-# attributes catches hf_zero's and torch ZeRO's calls alike (both call ``dist.X``).
-_COLLECTIVES = (
-    "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
-    "all_to_all_single", "all_to_all", "gather", "scatter", "reduce",
-    "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
-)
+from ._common import WrappedCollectives
 
-
-class CollectiveCounter:
+class CollectiveCounter(WrappedCollectives):
     """Counts outermost collective calls and the bytes of the tensors they move.
 
     A collective built from others (``all_gather_object``) counts once; its bytes
@@ -28,23 +21,10 @@ class CollectiveCounter:
     """
 
     def __init__(self):
+        super().__init__()
         self.calls: dict[str, int] = {}
         self.bytes = 0
-        self.active = False
         self._local = threading.local()
-        self._saved = {}
-
-    def install(self) -> None:
-        for name in _COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if fn is not None and name not in self._saved:
-                self._saved[name] = fn
-                setattr(dist, name, self._wrap(name, fn))
-
-    def uninstall(self) -> None:
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved = {}
 
     def reset(self) -> None:
         self.calls, self.bytes = {}, 0

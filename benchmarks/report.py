@@ -156,7 +156,7 @@ def markdown(results: dict) -> str:
     s = results["settings"]
     lines = [
         f"Run: `{env['command']}` on {env['date_utc']}, checkout `{env.get('git')}`" + (" (**smoke run: tiny models, numbers meaningless**)" if env.get("smoke") else ""),
-        f"Machine: {env['cpu']}, {env['cpu_count']} cores (1-min load average at start: {env['load_avg_1min_at_start']}); "
+        f"Machine: {env['cpu']}, {env['cpu_count']} cores (1-min load average at start: {env['load_start']}); "
         f"Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}; "
         f"{env['backend']}, world size {env['world_size']}, {env['threads_per_rank']} thread per rank.",
         f"All optimizers live side by side; after {s['warmup']} warm-up steps each, {s['steps']} rounds step "

@@ -9,11 +9,8 @@ a full run also rewrites the generated part of ``docs/benchmarks.md``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import report, trainer_bench  # noqa: E402
+from benchmarks import _common, report, trainer_bench  # noqa: E402
 from benchmarks.suite import OPTIMIZERS, bench_rank  # noqa: E402
 from benchmarks._ranks import run_ranks  # noqa: E402
 
@@ -57,38 +54,8 @@ WORLD_SIZE = 2
 
 
 def environment(argv) -> dict:
-    import torch
-    import transformers
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = None
-    try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": " ".join(["python -m benchmarks.run", *argv]),
-        "git": commit,
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "load_avg_1min_at_start": load,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "backend": "gloo",
-        "world_size": WORLD_SIZE,
-        "threads_per_rank": 1,
-    }
+    return _common.environment(" ".join(["python -m benchmarks.run", *argv]),
+                               backend="gloo", world_size=WORLD_SIZE, threads_per_rank=1)
 
 
 def main(argv=None) -> int:
