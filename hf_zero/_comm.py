@@ -10,6 +10,7 @@ import collections
 import contextlib
 import ctypes
 import hashlib
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -58,7 +59,7 @@ class Comm:
 
     def _pending(self, works: list, what: str, finish: Callable[[], Any] | None = None) -> "Pending":
         if self._keep_works:
-            _KEPT.extend(works)
+            _KEPT.add(works)
         return Pending(works, what, self.rank, finish=finish)
 
     def _wait(self, work, what: str) -> None:
@@ -344,11 +345,32 @@ class Pending:
         return not self._works and self._finish is None
 
 
-# The work objects of hf_zero's recent gloo collectives: a collective's worker thread lets
-# go of its reference a moment after the waiter wakes, or later when nobody waits (see the
-# note on Pending). Never freed, so the last ones are still held at interpreter exit; older
-# ones are let go by the thread that starts new collectives, long after they finished.
-_KEPT: "collections.deque" = collections.deque(maxlen=64)
+class _KeptWorks:
+    """The work objects of hf_zero's gloo collectives, kept from their start until a sweep
+    at least ``_SWEEP_S`` seconds after one first found them completed: a worker thread
+    lets go of a work a moment after completing it (see the note on Pending), whether or
+    not anybody waited. Never freed itself, so whatever it holds at interpreter exit (every
+    collective still running and every one completed in the last second or two) stays
+    held through finalization. Sweeps run when collectives start, on the caller's thread."""
+
+    def __init__(self):
+        self._running: list = []
+        self._completed: list = []  # found completed at the last sweep; let go at the next
+        self._swept = time.monotonic()
+
+    def add(self, works: list) -> None:
+        self._running.extend(works)
+        now = time.monotonic()
+        if now - self._swept >= _SWEEP_S:
+            running, completed = [], []
+            for w in self._running:
+                (completed if w.is_completed() else running).append(w)
+            self._running, self._completed = running, completed  # the previous sweep's completed go
+            self._swept = now
+
+
+_SWEEP_S = 1.0
+_KEPT = _KeptWorks()
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT))
 
 

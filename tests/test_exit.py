@@ -62,3 +62,30 @@ def test_no_hang_or_crash_at_exit_in_consecutive_runs(world_size, end):
         results = _run(world_size, end)
         for rank, (code, text) in enumerate(results):
             assert code == 0 and f"rank {rank} done" in text, f"run {i}, rank {rank}: exit {code}\n{text}"
+
+
+def test_kept_gloo_works_are_let_go_only_a_sweep_after_one_found_them_completed(monkeypatch):
+    import gc
+    import weakref
+
+    from hf_zero import _comm
+
+    class Work:
+        done = False
+
+        def is_completed(self):
+            return self.done
+
+    monkeypatch.setattr(_comm, "_SWEEP_S", 0.0)  # every add() sweeps
+    kept = _comm._KeptWorks()
+    a, b, c = Work(), Work(), Work()
+    alive = [weakref.ref(w) for w in (a, b, c)]
+    kept.add([a])
+    a.done = True
+    kept.add([b])  # this sweep finds a completed: still kept
+    del a, b
+    gc.collect()
+    assert alive[0]() is not None and alive[1]() is not None
+    kept.add([c])  # the next sweep lets a go; b, still running, stays
+    gc.collect()
+    assert alive[0]() is None and alive[1]() is not None and alive[2]() is not None
