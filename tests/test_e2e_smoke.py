@@ -70,3 +70,16 @@ def test_smoke_run(tmp_path):
     summary = text.split("### Every run", 1)[1]
     median = res["iteration"]["1"]["hf_zero_rs_overlap"]["ratio_median"]
     assert f"| 1 | `hf_zero_rs_overlap` | {median:.3f} | {median:.3f} | {median:.3f} |" in summary
+
+
+def test_phases_smoke_run(tmp_path):
+    from benchmarks import e2e_phases
+
+    assert e2e_phases.main(["--smoke", "--json", str(tmp_path / "phases.json")]) == 0
+    per_rank = json.loads((tmp_path / "phases.json").read_text())
+    assert len(per_rank) == e2e.WORLD_SIZE
+    for rank in per_rank:
+        assert set(rank) == set(e2e.CONTENDERS)
+        for name, phases in rank.items():
+            assert set(phases) == set(e2e_phases.PHASES) and all(v > 0 for v in phases.values()), name
+            assert phases["total"] >= phases["forward"] + phases["backward"], name  # one timed iteration
