@@ -6,7 +6,6 @@ must call it with arguments of the same shape, in the same order.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import ctypes
 import hashlib
@@ -62,8 +61,11 @@ class Comm:
             _KEPT.add(works)
         return Pending(works, what, self.rank, finish=finish)
 
-    def _wait(self, work, what: str) -> None:
-        """Wait for one collective started with ``async_op=True`` (see ``Pending``)."""
+    def _blocking(self, what: str, collective: Callable, *args, **kwargs) -> None:
+        """Run ``collective(*args, group=..., async_op=True, **kwargs)`` and wait for it
+        (through ``Pending``, so its work object is kept: see the note there)."""
+        with _named(what, self.rank):
+            work = collective(*args, group=self.group, async_op=True, **kwargs)
         self._pending([work], what).wait()
 
     def same_group(self, process_group) -> bool:
@@ -208,7 +210,7 @@ class Comm:
         if device.type != "cpu":
             return torch.empty(numel, dtype=dtype, device=device)
         try:
-            return self._free.get((numel, dtype), []).pop()  # atomic: callbacks release from other threads
+            return self._free.get((numel, dtype), []).pop()
         except IndexError:
             return torch.empty(numel, dtype=dtype, device=device)
 
@@ -219,19 +221,18 @@ class Comm:
     def all_reduce_mean_(self, buffer: torch.Tensor) -> "Pending":
         """Average ``buffer`` over ranks in place (every element). Asynchronous: the
         :class:`Pending`'s ``wait()`` returns ``buffer``."""
-        if self.world_size > 1:
-            buffer.div_(self.world_size)
+        if self.world_size == 1:
+            return self._pending([], "", finish=lambda: buffer)
+        buffer.div_(self.world_size)
         with _named("averaging gradients", self.rank):
-            works = [dist.all_reduce(buffer, group=self.group, async_op=True)] if self.world_size > 1 else []
-        return self._pending(works, "averaging gradients", finish=lambda: buffer)
+            work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        return self._pending([work], "averaging gradients", finish=lambda: buffer)
 
     def all_reduce_(self, tensor: torch.Tensor, *, op: str, what: str) -> torch.Tensor:
         """Sum (``op="sum"``) or max (``op="max"``) a small tensor over ranks, in place."""
         if self.world_size > 1:
             red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-            with _named(what, self.rank):
-                work = dist.all_reduce(tensor, op=red, group=self.group, async_op=True)
-            self._wait(work, what)
+            self._blocking(what, dist.all_reduce, tensor, op=red)
         return tensor
 
     # -- agreement ----------------------------------------------------------------
@@ -243,9 +244,7 @@ class Comm:
         if self.world_size == 1:
             return True, flag
         t = torch.tensor([fingerprint, -fingerprint, int(flag)], dtype=torch.int64, device=self.device)
-        with _named("the cross-rank layout agreement check", self.rank):
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._wait(work, "the cross-rank layout agreement check")
+        self._blocking("the cross-rank layout agreement check", dist.all_reduce, t, op=dist.ReduceOp.MAX)
         return int(t[0]) == -int(t[1]), bool(t[2])
 
     def all_gather_object(self, obj: Any) -> list:
@@ -277,9 +276,7 @@ class Comm:
                     flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
                     flat[k] = 1
                 offset += p.numel()
-            with _named("averaging grads DDP does not reduce", self.rank):
-                work = dist.all_reduce(flat, group=self.group, async_op=True)
-            self._wait(work, "averaging grads DDP does not reduce")
+            self._blocking("averaging grads DDP does not reduce", dist.all_reduce, flat)
             present = flat[: len(ps)].tolist()
             flat.div_(self.world_size)
             offset = len(ps)
@@ -301,16 +298,13 @@ class Comm:
         send_sizes = [t.numel() for t in send]
         inp = torch.cat(list(send)) if send else torch.empty(0, dtype=dtype, device=device)
         out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-        with _named("moving optimizer state between ranks", self.rank):
-            work = dist.all_to_all_single(out, inp, list(recv_sizes), send_sizes, group=self.group, async_op=True)
-        self._wait(work, "moving optimizer state between ranks")
+        self._blocking("moving optimizer state between ranks", dist.all_to_all_single, out, inp,
+                       list(recv_sizes), send_sizes)
         return list(out.split(list(recv_sizes)))
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            with _named("a barrier", self.rank):
-                work = dist.barrier(group=self.group, async_op=True)
-            self._wait(work, "a barrier")
+            self._blocking("a barrier", dist.barrier)
 
 
 class Pending:

@@ -76,11 +76,10 @@ class BucketReducer:
 
     def defer(self, pending) -> torch.futures.Future:
         """The future DDP waits on for ``pending`` (a ``comm.Pending`` whose value is the bucket)."""
-        fut = torch.futures.Future()
         if self.finish_in_hook:
-            fut.set_result(pending.wait())
-        else:
-            self._in_flight.append((fut, pending))
+            return _done(pending.wait())
+        fut = torch.futures.Future()
+        self._in_flight.append((fut, pending))
         return fut
 
     def _finish_collectives(self) -> None:

@@ -116,3 +116,21 @@ def run_ranks(fn, world_size, *args, timeout=60.0, **kwargs) -> list:
             p.join()
         for c in conns:
             c.close()
+
+
+_TABLES: dict = {}
+
+
+def run_case(train, cases: dict, name: str, world_size: int, *, timeout: float) -> list:
+    """Per rank, ``train(rank, world_size, cases[name])``. Every case of ``cases`` runs in one
+    spawn per ``train`` and world size (a spawn costs seconds; the table holds many cases),
+    kept for the other cases' tests."""
+    key = (train, world_size)
+    if key not in _TABLES:
+        _TABLES[key] = run_ranks(_run_table, world_size, train, cases, timeout=timeout)
+    return [per_case[name] for per_case in _TABLES[key]]
+
+
+def _run_table(rank, world_size, train, cases):
+    return {name: train(rank, world_size, case) for name, case in cases.items()}
+

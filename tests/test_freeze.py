@@ -14,7 +14,6 @@ DDP and the optimizer are built):
 """
 
 import copy
-import functools
 from dataclasses import dataclass
 
 import pytest
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests._dist import run_ranks
+from tests._dist import run_case
 from tests.models import (
     Setup, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model,
     make_reference, make_zero, params_of, train_steps,
@@ -120,15 +119,6 @@ def _differs_across_ranks(t: torch.Tensor) -> bool:
     return any(not torch.equal(everyone[0], x) for x in everyone[1:])
 
 
-def _train_all(rank, world_size):
-    return {name: _train(rank, world_size, case) for name, case in CASES.items()}
-
-
-@functools.cache
-def _results(world_size):
-    return run_ranks(_train_all, world_size, timeout=200)
-
-
 def _reference(case: Case, world_size: int):
     setup = case.setup
     model = build_model(setup.model)
@@ -146,7 +136,7 @@ def _reference(case: Case, world_size: int):
 @pytest.mark.parametrize("name", CASES)
 def test_schedule_matches_reference(name, world_size):
     case = CASES[name]
-    per_rank = [r[name] for r in _results(world_size)]
+    per_rank = run_case(_train, CASES, name, world_size, timeout=200)
     ref_params, ref_mid, ref_final = _reference(case, world_size)
 
     assert_replicas_identical([r["params"] for r in per_rank])

@@ -9,7 +9,6 @@ reduce-scatter must really have run. One spawn per world size runs the table.
 """
 
 import dataclasses
-import functools
 import logging
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests._dist import run_ranks
+from tests._dist import run_case, run_ranks
 from tests.models import (
     BATCH, Setup, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model,
     make_reference, make_zero, params_of, shard_of,
@@ -148,15 +147,6 @@ def _train(rank, world_size, case: Case):
     }
 
 
-def _train_all(rank, world_size):
-    return {name: _train(rank, world_size, case) for name, case in CASES.items()}
-
-
-@functools.cache
-def _results(world_size):
-    return run_ranks(_train_all, world_size, timeout=280)
-
-
 def _reference(case: Case, world_size: int):
     model = build_model(case.setup.model)
     case.setup.apply_schedule(model, 0)
@@ -170,7 +160,7 @@ def _reference(case: Case, world_size: int):
 @pytest.mark.parametrize("name", CASES)
 def test_reduce_scatter_matches_reference(name, world_size):
     case = CASES[name]
-    per_rank = [r[name] for r in _results(world_size)]
+    per_rank = run_case(_train, CASES, name, world_size, timeout=280)
     ref_params, ref_state, ref_norms = _reference(case, world_size)
     assert_replicas_identical([r["params"] for r in per_rank])
     assert_params_equal(per_rank[0]["params"], ref_params)
