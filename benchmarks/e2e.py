@@ -169,6 +169,10 @@ def _bytes(name, args, kwargs) -> tuple[int, float]:
         return t.nbytes, 2 * t.nbytes * (world - 1) / world
     if name == "broadcast":
         return t.nbytes, t.nbytes * (world - 1) / world
+    if name in ("isend", "send"):
+        return t.nbytes, t.nbytes
+    if name in ("irecv", "recv"):
+        return t.nbytes, 0
     return t.nbytes, -1
 
 

@@ -1,10 +1,11 @@
-"""Time the gradient reduce-scatter primitives against an all-reduce (gloo, CPU).
+"""Time the gradient reduce-scatter and parameter sync primitives against an all-reduce (gloo, CPU).
 
     python -m benchmarks.reduce_scatter_primitives [--ranks 2] [--mb 4 32 120] [--rounds 9]
 
-Each round times, in a shuffled order, an all-reduce of the buffer and
-``hf_zero._comm.Comm.reduce_scatter_`` by each primitive (its local sum included);
-prints the median per size and its ratio to the all-reduce.
+Each round times, in a shuffled order, an all-reduce of the buffer,
+``hf_zero._comm.Comm.reduce_scatter_`` by each primitive (its local sum included) and
+``Comm.sync_buffer`` by each primitive; prints the median per size and its ratio to the
+all-reduce.
 """
 
 import argparse
@@ -42,7 +43,18 @@ def _rank(rank, world_size, port, sizes_mb, rounds, out):
 
             return run
 
-        fns = {"all_reduce": all_reduce, **{f"rs:{h}": by(h) for h in ("all_to_all", "reduce_scatter")}}
+        def sync_by(how):
+            def run():
+                comm.sync_by = how
+                comm.sync_buffer(buf, bounds)
+
+            return run
+
+        fns = {
+            "all_reduce": all_reduce,
+            **{f"rs:{h}": by(h) for h in ("send_recv", "all_to_all", "reduce_scatter")},
+            **{f"sync:{h}": sync_by(h) for h in ("send_recv", "broadcast")},
+        }
         times = {k: [] for k in fns}
         order = list(fns)
         rng = random.Random(mb)

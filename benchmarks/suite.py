@@ -157,8 +157,8 @@ def _local_limits(opt, set_grads, cfg) -> dict:
     """hf_zero's local update and sync, each alone, vs the same work done the simplest way.
 
     Local update: the same AdamW on one flat tensor of this rank's element count.
-    Sync: one broadcast per rank of each buffer's ranges (gloo's fastest raw
-    collective, docs/architecture.md), on hf_zero's own buffers and on fresh ones of the same
+    Sync: each rank's range of each buffer sent to every other rank (gloo's fastest raw
+    transfer, docs/gradient_path.md), on hf_zero's own buffers and on fresh ones of the same
     size. All are timed in turn, in a shuffled order, round after round.
     """
     n = sum(lp.piece.numel for lp in opt._pieces)
@@ -170,11 +170,11 @@ def _local_limits(opt, set_grads, cfg) -> dict:
 
     def raw_sync():  # the same collectives on hf_zero's own buffers: what its code adds
         for buf, bs in zip(opt._buffers, bounds):
-            _raw_broadcasts(buf, bs)
+            _raw_send_recv(buf, bs)
 
     def raw_sync_fresh():  # on freshly allocated buffers of the same sizes
         for buf, bs in zip(fresh, bounds):
-            _raw_broadcasts(buf, bs)
+            _raw_send_recv(buf, bs)
 
     def local():
         set_grads()
@@ -210,8 +210,20 @@ def _flat_full(n: int, cfg) -> list[float]:
 
 
 def _raw_broadcasts(buf, bounds) -> None:
-    """One broadcast per rank of its range: the fastest raw collective on gloo (docs/architecture.md, field facts)."""
+    """One broadcast per rank of its range (docs/architecture.md, field facts)."""
     works = [dist.broadcast(buf[a:b], src=r, async_op=True) for r, (a, b) in enumerate(zip(bounds, bounds[1:])) if b > a]
+    for w in works:
+        w.wait()
+
+
+def _raw_send_recv(buf, bounds) -> None:
+    """Each rank's range sent to every other rank, point to point, in place: what hf_zero's
+    sync does on gloo, the fastest raw transfer measured there (docs/gradient_path.md)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    works = [dist.irecv(buf[a:b], src=r) for r, (a, b) in enumerate(zip(bounds, bounds[1:])) if r != rank and b > a]
+    lo, hi = bounds[rank], bounds[rank + 1]
+    if hi > lo:
+        works += [dist.isend(buf[lo:hi], dst=r) for r in range(world) if r != rank]
     for w in works:
         w.wait()
 
@@ -264,6 +276,7 @@ def _sync_limits(cfg) -> dict:
     return {
         "elements": buf.numel(),
         "broadcast_per_rank_s": time_calls(lambda: _raw_broadcasts(buf, bounds), warmup=1, steps=steps),
+        "send_recv_s": time_calls(lambda: _raw_send_recv(buf, bounds), warmup=1, steps=steps),
         "all_gather_s": time_calls(lambda: gather(buf, part), warmup=1, steps=steps),
         "all_reduce_s": time_calls(lambda: dist.all_reduce(buf), warmup=1, steps=steps),
     }

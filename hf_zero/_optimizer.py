@@ -447,6 +447,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         grad_reduce_default: str = "all_reduce",
         overlap_default: bool = False,
         syncs_every_backward: bool = False,
+        grad_scaler: bool = True,
     ) -> None:
         """Tell the optimizer about the DDP wrapping its params. Call on every rank right
         after building DDP, before its first backward (the integrations do).
@@ -458,7 +459,10 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         group); with ``overlap_param_sync`` it hooks the wrapped module's forwards.
         ``grad_reduce_default`` / ``overlap_default`` resolve ``"auto"`` / ``None``;
         ``syncs_every_backward`` (gradient accumulation that syncs every micro-batch)
-        keeps DDP's all-reduce, which such accumulation needs. Idempotent.
+        keeps DDP's all-reduce, which such accumulation needs. ``grad_scaler=False``
+        says nothing skips steps on inf/NaN grads (no fp16 ``GradScaler``): the reduce-scatter
+        path then leaves out its per-backward agreement on non-finite grads (a pass over
+        the owned grads, a scalar all-reduce and, on GPUs, a host sync). Idempotent.
         """
         if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(f"bind_ddp needs a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
@@ -474,6 +478,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                 logger.warning("hf_zero: overlap_param_sync needs parameters_as_bucket_view=True; syncing in the step")
         if self.grad_reduce == "auto":
             self.grad_reduce = grad_reduce_default
+        if self._reducer is not None:
+            self._reducer.agree_on_finite = grad_scaler
         if self.grad_reduce != "reduce_scatter" or self._reducer is not None or self._comm.world_size == 1:
             return
         reason = None
@@ -487,6 +493,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                 reason = attached
             else:
                 self._reducer = attached
+                attached.agree_on_finite = grad_scaler
         if reason is not None:
             logger.warning("hf_zero: grad_reduce='reduce_scatter' is off, DDP all-reduces the grads: %s", reason)
             self.grad_reduce = "all_reduce"
@@ -593,11 +600,29 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         total = total.to(dtype=dtype)
         if max_norm != float("inf"):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for i in sorted(chosen):
-                g = self._params[i].grad
-                if g is not None:
-                    g.mul_(coef.to(device=g.device, dtype=g.dtype))
+            for g in self._valid_grads(chosen):
+                g.mul_(coef.to(device=g.device, dtype=g.dtype))
         return total.to(first.device) if first is not None else total
+
+    def _valid_grads(self, chosen: set[int]) -> list[torch.Tensor]:
+        """The grads of these params where they hold the average: whole, or only this
+        rank's ranges after a reduce-scatter (scaling the rest, which only holds this
+        rank's own contribution, would be a wasted pass over (N-1)/N of it)."""
+        partial = self._reducer.partial_grads if self._reducer is not None else set()
+        owned: dict[int, list[Piece]] = {}
+        if partial & chosen:
+            for pc in self._norm_pieces():
+                owned.setdefault(pc.index, []).append(pc)
+        out = []
+        for i in sorted(chosen):
+            g = self._params[i].grad
+            if g is None:
+                continue
+            if i in partial and g.is_contiguous():
+                out += [g.view(-1)[pc.start : pc.stop] for pc in owned.get(i, ())]
+            else:
+                out.append(g)
+        return out
 
     def _norm_pieces(self) -> list[Piece]:
         """The elements this rank counts in a sharded norm: its pieces, planned afresh
@@ -619,10 +644,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         chosen = self._selected(parameters, "clip_grad_value_")
         if not self._iteration.grads_averaged:
             self.average_unreduced_grads()
-        for i in sorted(chosen):
-            g = self._params[i].grad
-            if g is not None:
-                g.clamp_(-clip_value, clip_value)
+        for g in self._valid_grads(chosen):
+            g.clamp_(-clip_value, clip_value)
 
     # -- Join ------------------------------------------------------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:

@@ -272,12 +272,17 @@ def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend
             shape = params[pc.index].shape if shard == "param" else (pc.numel,)
             total += state_bytes(shape, pc.numel, optimizer=optimizer, itemsize=itemsize)
         state.append(total)
-    sync, kind = 0, "broadcast"
+    # As Comm.sync_buffer: NCCL one all-gather per buffer with equal ranges, else one
+    # broadcast per range; gloo sends each range to every other rank (CPU tensors).
+    sync, kind = 0, "broadcast" if backend == "nccl" else "send_recv"
     for buf in layout.buffers:
+        ranges = sum(1 for a, b in zip(buf.bounds, buf.bounds[1:]) if b > a)
         if backend == "nccl" and buf.equal_ranges:
             sync, kind = sync + 1, "all_gather_into_tensor"
+        elif backend == "nccl":
+            sync += ranges
         else:
-            sync += sum(1 for a, b in zip(buf.bounds, buf.bounds[1:]) if b > a)
+            sync += ranges * (world_size - 1)
     buffers = [
         {
             "dtype": str(b.dtype).removeprefix("torch."),
@@ -402,7 +407,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="param dtype")
     parser.add_argument("--backend", choices=BACKENDS, default="nccl",
-                        help="decides the sync collective (all_gather on nccl, broadcasts on gloo)")
+                        help="decides the sync collective (all_gather on nccl, point-to-point sends on gloo)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (docs/planner.md)")
     parser.add_argument("--plot", metavar="FILE.png", help="also write a bar chart of per-rank state")
 

@@ -30,7 +30,9 @@ hooks' results into ``.grad``): one scalar MAX all-reduce of
 "a non-finite grad in my owned ranges". A local inf/NaN anywhere makes its owner's
 average non-finite, so when no rank sets the flag no rank's grads hold one, and when
 one does every rank gets a NaN written into the same grad element: GradScaler's
-``unscale_`` then finds an inf on every rank and all skip the step together.
+``unscale_`` then finds an inf on every rank and all skip the step together. Without a
+GradScaler (``bind_ddp(grad_scaler=False)``, as the integrations pass when Accelerate has
+none) nothing skips steps, every rank steps, and the check is left out.
 
 Only the last backward before a step may sync (DDP's ``no_sync()`` for the others):
 a second syncing backward would add new local grads to already reduce-scattered ones,
@@ -62,7 +64,9 @@ class BucketReducer:
         self.last: tuple | None = None
         self.scattered: list[torch.Tensor] = []  # this backward: the owned range of each reduce-scattered bucket
         self.scattered_params: set[int] = set()  # this backward: the params of those buckets
-        self.reduced_since_step: set[int] = set()
+        self.reduced_since_step: set[int] = set()  # bucket indices
+        # Params whose grads hold the average only in this rank's ranges until the next step.
+        self.partial_grads: set[int] = set()
         self._queued = False
         # This backward's collectives and the futures DDP waits on: finished on the
         # backward's own thread before DDP's finalizer runs (see _finish_collectives).
@@ -70,9 +74,12 @@ class BucketReducer:
         # DDP's static graph runs every hook of its first backward inside its own
         # end-of-backward callback and waits there: finish each collective in its hook.
         self.finish_in_hook = False
+        # Whether anything skips steps on non-finite grads (GradScaler): see the module note.
+        self.agree_on_finite = True
 
     def step_taken(self) -> None:
         self.reduced_since_step.clear()
+        self.partial_grads.clear()
 
     def defer(self, pending) -> torch.futures.Future:
         """The future DDP waits on for ``pending`` (a ``comm.Pending`` whose value is the bucket)."""
@@ -100,7 +107,8 @@ class BucketReducer:
         in_scattered, self.scattered_params = self.scattered_params, set()
         if opt is None:
             return
-        if scattered and not _agree_on_finite(opt, scattered, in_scattered):
+        self.partial_grads |= in_scattered
+        if scattered and self.agree_on_finite and not _agree_on_finite(opt, scattered, in_scattered):
             # Every rank's GradScaler skips this step (no optimizer.step()); what the grads
             # hold no longer matters, so the next syncing backward is not an error.
             self.reduced_since_step.clear()

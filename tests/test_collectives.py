@@ -1,7 +1,8 @@
 """What a step sends: counted by wrapping torch.distributed's collectives inside each rank.
 
-A steady step (trainable set unchanged) may only sync the buffers (at most one
-broadcast per rank per buffer, or one all-gather per buffer), carrying exactly the
+A steady step (trainable set unchanged) may only sync the buffers (on gloo each rank
+sends its range of each buffer to every other rank; or at most one broadcast per rank
+per buffer, or one all-gather per buffer, NCCL's path), carrying exactly the
 buffers' bytes (trainable elements plus alignment padding: no frozen byte), plus one
 agreement all-reduce of a few bytes, plus, while params that DDP does not reduce are
 trainable, one all-reduce per dtype averaging their grads.
@@ -11,7 +12,7 @@ hook), a steady step moves, per rank, at most DDP's own all-reduce volume
 2Ψ(N-1)/N (Ψ: the bytes DDP reduces) plus 1% for padding and control scalars:
 counted on the wire, per collective, as the bytes a rank sends in the standard
 algorithms (ring all-reduce 2B(N-1)/N, reduce-scatter / all-gather / pipelined
-broadcast B(N-1)/N, all-to-all: exactly what goes to other ranks).
+broadcast B(N-1)/N, all-to-all and sends: exactly what goes to other ranks).
 """
 
 import contextlib
@@ -41,6 +42,7 @@ COLLECTIVES = (
     "send", "recv", "isend", "irecv", "batch_isend_irecv",
 )
 # Tensor argument whose bytes a rank contributes.
+SYNC_CALLS = ("broadcast", "all_gather_single", "all_gather_into_tensor", "isend", "irecv")
 _PAYLOAD_ARG = {"all_gather_into_tensor": 1, "all_gather_single": 1, "all_to_all_single": 1}
 
 
@@ -57,6 +59,10 @@ def _wire_bytes(name, args, kwargs) -> int:
         return sum(n for r, n in enumerate(splits) if r != rank) * per
     if name == "all_reduce":
         return 2 * t.nbytes * (world - 1) / world
+    if name in ("isend", "send"):
+        return t.nbytes
+    if name in ("irecv", "recv"):
+        return 0
     if name in ("broadcast", "reduce_scatter_tensor", "reduce_scatter_single"):
         return t.nbytes * (world - 1) / world if name == "broadcast" else args[1].nbytes * (world - 1) / world
     if name in ("all_gather_into_tensor", "all_gather_single"):
@@ -100,7 +106,7 @@ class CollectiveCounter:
 @dataclass(frozen=True)
 class Case:
     setup: Setup
-    all_gather: bool = False  # sync with one all-gather per buffer (NCCL's path) instead of broadcasts
+    sync_by: str | None = None  # Comm.sync_by; None: the backend's default (gloo: send_recv)
 
 
 # fp32 and bf16 buffers; fp32.0 frozen throughout (its bytes must never move).
@@ -116,8 +122,11 @@ CASES = {
     "flat-no-view": Case(Setup(model="mixed", view=False, schedule=FROZEN_BRANCH)),
     "param": Case(Setup(model="mixed", shard="param", schedule=FROZEN_BRANCH)),
     "param-no-view": Case(Setup(model="mixed", shard="param", view=False, schedule=FROZEN_BRANCH)),
-    "flat-all-gather": Case(Setup(model="mixed", schedule=FROZEN_BRANCH), all_gather=True),
-    "flat-all-gather-no-view": Case(Setup(model="mixed", view=False, schedule=FROZEN_BRANCH), all_gather=True),
+    "flat-all-gather": Case(Setup(model="mixed", schedule=FROZEN_BRANCH), sync_by="all_gather"),
+    "flat-all-gather-no-view": Case(Setup(model="mixed", view=False, schedule=FROZEN_BRANCH), sync_by="all_gather"),
+    "flat-broadcast": Case(Setup(model="mixed", schedule=FROZEN_BRANCH), sync_by="broadcast"),
+    "param-broadcast-no-view": Case(Setup(model="mixed", shard="param", view=False, schedule=FROZEN_BRANCH),
+                                    sync_by="broadcast"),
     "unfrozen-after-ddp-build": Case(Setup(model="mixed", schedule=LATE_UNFROZEN)),
     "unfrozen-after-ddp-build-param": Case(Setup(model="mixed", shard="param", schedule=LATE_UNFROZEN)),
 }
@@ -129,8 +138,8 @@ def _count(rank, world_size, counter, case: Case):
     setup.apply_schedule(model, 0)
     opt = make_zero(setup, model)
     ddp = DDP(model, find_unused_parameters=True)
-    if case.all_gather:
-        opt._comm.sync_by_all_gather = True
+    if case.sync_by is not None:
+        opt.comm.sync_by = case.sync_by
     at_ddp_build = [p.requires_grad for p in model.parameters()]
     steps = []
 
@@ -201,15 +210,22 @@ def test_steady_steps_send_only_the_buffers(name, world_size):
             frozen_bytes = sum(s.numel * s.dtype.itemsize for s in record["specs"] if not s.trainable)
             assert frozen_bytes > 0, "the premise: some params are frozen"
 
-            sync = [c for c in calls if c[0] in ("broadcast", "all_gather_single", "all_gather_into_tensor")]
-            if case.all_gather:
+            sync = [c for c in calls if c[0] in SYNC_CALLS]
+            if case.sync_by == "all_gather":
                 assert len(sync) == n_buffers
                 assert {c[0] for c in sync} <= {"all_gather_single", "all_gather_into_tensor"}
                 assert sum(b * world_size for _, b in sync) == buffer_bytes
-            else:
+            elif case.sync_by == "broadcast":
                 assert {c[0] for c in sync} == {"broadcast"}
                 assert len(sync) <= world_size * n_buffers
                 assert sum(b for _, b in sync) == buffer_bytes, "bytes synced != buffer bytes"
+            else:  # its own range to every other rank, every other range from its owner
+                assert {c[0] for c in sync} == {"isend", "irecv"}
+                sent = [b for c, b in sync if c == "isend"]
+                received = [b for c, b in sync if c == "irecv"]
+                assert len(sent) <= (world_size - 1) * n_buffers and len(received) <= (world_size - 1) * n_buffers
+                assert sum(sent) % (world_size - 1) == 0
+                assert sum(received) + sum(sent) // (world_size - 1) == buffer_bytes, "bytes synced != buffer bytes"
 
             reduces = [b for c, b in calls if c == "all_reduce"]
             assert reduces[0] == AGREEMENT_BYTES, f"rank {rank} step {step}: {calls}"
@@ -257,7 +273,7 @@ PATHS = {  # name -> (grad_reduce, overlap, shard, find_unused_parameters)
 }
 
 
-def _count_path(rank, world_size, grad_reduce, overlap, shard, find_unused):
+def _count_path(rank, world_size, grad_reduce, overlap, shard, find_unused, grad_scaler=True):
     from hf_zero import ZeroBucketOptimizer
 
     counter = CollectiveCounter()
@@ -265,7 +281,7 @@ def _count_path(rank, world_size, grad_reduce, overlap, shard, find_unused):
     opt = ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, shard=shard,
                               grad_reduce=grad_reduce, overlap_param_sync=overlap)
     ddp = DDP(model, find_unused_parameters=find_unused, gradient_as_bucket_view=True, bucket_cap_mb=0.05)
-    opt.bind_ddp(ddp)
+    opt.bind_ddp(ddp, grad_scaler=grad_scaler)
     psi = sum(p.numel() * p.element_size() for p in model.parameters())
     per_step = []
     for step in range(PATH_STEPS):
@@ -294,7 +310,7 @@ def test_reduce_scatter_path_moves_no_more_than_ddp(name, world_size):
         for rank, result in enumerate(per_rank):
             wire = result["steps"][step]
             assert all(b >= 0 for _, b in wire), f"uncounted collective in {wire}"
-            assert {n for n, _ in wire} <= {"all_to_all_single", "broadcast", "all_reduce"}, wire
+            assert {n for n, _ in wire} <= {"isend", "irecv", "all_reduce"}, wire
             per_rank_bytes.append(sum(b for _, b in wire))
         if grad_reduce == "all_reduce":  # today: DDP's all-reduce (not seen here) plus the sync
             for ours in per_rank_bytes:
@@ -306,3 +322,22 @@ def test_reduce_scatter_path_moves_no_more_than_ddp(name, world_size):
         for ours in checked:
             assert ours <= 1.01 * ddp_bytes, f"step {step}: {ours / ddp_bytes:.4f} of DDP's bytes"
             assert ours >= 0.99 * ddp_bytes  # the premise: all of it is counted
+
+
+@pytest.mark.timeout(120)
+def test_without_grad_scaler_no_finite_agreement():
+    """``bind_ddp(grad_scaler=False)``: a steady reduce-scatter step makes one all-reduce
+    (the layout agreement), not two (no 4-byte non-finite flag); results stay exact."""
+    world_size = 2
+    with_scaler, without = (
+        run_ranks(_count_path, world_size, "reduce_scatter", False, "flat", True, scaler, timeout=100)
+        for scaler in (True, False)
+    )
+    for a, b in zip(with_scaler, without):
+        assert_params_equal(b["params"], a["params"])
+    step = PATH_STEPS - 1
+    for rank in range(world_size):
+        reduces = [b for n, b in with_scaler[rank]["steps"][step] if n == "all_reduce"]
+        assert len(reduces) == 2, with_scaler[rank]["steps"][step]
+        reduces = [b for n, b in without[rank]["steps"][step] if n == "all_reduce"]
+        assert len(reduces) == 1, without[rank]["steps"][step]

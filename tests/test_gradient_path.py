@@ -39,7 +39,7 @@ class Case:
     accumulate: int = 1  # micro-batches per step; all but the last under no_sync()
     clip_norm: float | None = None
     clip_value: float | None = None
-    primitive: str = "all_to_all"  # Comm.reduce_scatter_by
+    primitive: str = "send_recv"  # Comm.reduce_scatter_by (gloo's default)
     static_graph: bool = False  # DDP's static_graph: its first backward runs every hook in its finalizer
 
 
@@ -63,6 +63,7 @@ CASES = {
     "tied-rebuilt-buckets": Case(Setup(model="tied"), find_unused=False, grad_as_bucket_view=True),
     "tied-rebuilt-buckets-param": Case(Setup(model="tied", shard="param"), find_unused=False, overlap=True),
     "native-reduce-scatter": Case(Setup(), primitive="reduce_scatter", clip_norm=0.05),
+    "all-to-all": Case(Setup(), primitive="all_to_all", clip_norm=0.05, overlap=True),
     "native-reduce-scatter-param": Case(Setup(shard="param"), primitive="reduce_scatter"),
     "tiny-ranks-owning-nothing": Case(Setup(model="tiny")),
     "static-graph": Case(Setup(), find_unused=False, static_graph=True, overlap=True),

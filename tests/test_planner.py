@@ -189,3 +189,19 @@ def test_bad_task_options_are_named(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit):  # argparse lists the choices
         cli.main(["plan", "--model", str(config), "--world-size", "2", "--task", "nope"])
     assert "invalid choice: 'nope' (choose from" in capsys.readouterr().err
+
+
+def test_sync_collectives_per_backend():
+    """As Comm.sync_buffer: NCCL one all-gather per equal-range buffer; gloo each nonempty
+    range sent once to every other rank (3 messages per range at N = 4)."""
+    params = [planner.NamedParam("w", (6, 4), True), planner.NamedParam("b", (4,), True)]
+    for shard in ("flat", "param"):
+        nccl = planner.plan(params, world_size=4, shards=(shard,), backend="nccl")["plans"][f"hf_zero_{shard}"]
+        gloo = planner.plan(params, world_size=4, shards=(shard,), backend="gloo")["plans"][f"hf_zero_{shard}"]
+        bounds = gloo["buffers"][0]["rank_bounds"]
+        ranges = sum(1 for a, b in zip(bounds, bounds[1:]) if b > a)
+        assert gloo["collectives_per_step"] == {"sync": 3 * ranges, "sync_kind": "send_recv", "control": 1}
+        if shard == "flat":
+            assert nccl["collectives_per_step"] == {"sync": 1, "sync_kind": "all_gather_into_tensor", "control": 1}
+        else:  # whole params: unequal ranges, one broadcast per nonempty range
+            assert nccl["collectives_per_step"] == {"sync": ranges, "sync_kind": "broadcast", "control": 1}

@@ -1,5 +1,6 @@
 """Comm.reduce_scatter_: each rank ends with the mean over ranks of its own range, by every
-primitive (all_to_all_single + sum, native reduce_scatter with staging, all-reduce), for
+primitive (point-to-point + sum, all_to_all_single + sum, native reduce_scatter with
+staging, all-reduce), for
 equal padded ranges (flat bucket layouts) and unequal ones (param mode), float64 exact."""
 
 import pytest
@@ -23,7 +24,7 @@ def _local(rank, n):
 def _run(rank, world_size, n):
     comm = Comm()
     out = {}
-    for how in ("all_to_all", "reduce_scatter", "all_reduce"):
+    for how in ("send_recv", "all_to_all", "reduce_scatter", "all_reduce"):
         comm.reduce_scatter_by = how
         for name, make in BOUNDS.items():
             bounds = make(n, world_size)

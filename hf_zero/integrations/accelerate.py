@@ -141,6 +141,7 @@ def _wire(accelerator, prepared=None) -> bool:
                 opt.bind_ddp(
                     ddp, grad_reduce_default="reduce_scatter", overlap_default=False,
                     syncs_every_backward=_syncs_each_batch(accelerator),
+                    grad_scaler=getattr(accelerator, "scaler", None) is not None,
                 )
         for model in _compat.prepared_models(accelerator):
             if any(id(p) in ids for p in unwrap_ddp(model).parameters()):
