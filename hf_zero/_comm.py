@@ -96,9 +96,11 @@ class Comm:
         ``async_op=True`` returns a :class:`Pending` to wait on (None when nothing is sent).
 
         [Note: sync collective]
-        Measured on gloo (docs/gradient_path.md, "Measured"): point-to-point sends of each
-        rank's range, straight from and into the buffer, beat one broadcast per rank by
-        ~15% and all_gather by 2-8x; NCCL's all_gather_into_tensor is its fastest path.
+        Measured on gloo (docs/gradient_path.md, "Measured"; docs/architecture.md, field
+        facts): point-to-point sends of each rank's range, straight from and into the
+        buffer, match or beat one broadcast per rank (0.38-0.48 of an all-reduce against
+        0.40-0.53 on 2 ranks), and all_gather is 2-8x slower; NCCL's
+        all_gather_into_tensor is its fastest path.
         So equal ranges on NCCL use one in-place all-gather, CPU tensors on gloo
         sends and receives, everything else one broadcast per rank.
         """
@@ -157,14 +159,14 @@ class Comm:
         narrower than 32 bits).
 
         [Note: reduce-scatter collective]
-        Measured on gloo (2 and 3 ranks, 4-120 MB fp32, docs/gradient_path.md): the
-        native ``reduce_scatter_tensor`` runs a full all-reduce plus a copy (1.3-3.5x an
-        all-reduce); ``all_to_all_single`` moves only the (N-1)/N a reduce-scatter needs
-        (0.5-0.9x) but also copies this rank's own chunk; point-to-point sends of each
-        other rank's range, received into one scratch buffer, move the same bytes without
-        that copy (~25% faster than ``all_to_all_single`` on 2 ranks, 120 MB); then a
-        local sum into this rank's range. gloo's point-to-point is CPU-only: CUDA tensors
-        on gloo take ``all_to_all_single``. NCCL's ``reduce_scatter_tensor`` is its fast
+        Measured on gloo (2 and 3 ranks, 4-120 MB fp32, docs/gradient_path.md), with the
+        local sum, relative to an all-reduce: the native ``reduce_scatter_tensor`` runs a
+        full all-reduce plus a copy (1.9-2.8x); ``all_to_all_single`` moves only the
+        (N-1)/N a reduce-scatter needs but also copies this rank's own chunk (0.6-1.2x);
+        point-to-point sends of each other rank's range into one reused scratch buffer,
+        summed into this rank's range in place, move the same bytes without that copy
+        (0.56-0.98x). gloo's point-to-point is CPU-only: CUDA tensors on gloo take
+        ``all_to_all_single``. NCCL's ``reduce_scatter_tensor`` is its fast
         path; it needs equal ranges covering the input, so a bucket is staged into a
         padded copy when its size is not a multiple of N, and unequal ranges
         (``shard="param"``) go through ``all_to_all_single`` there too.
@@ -223,7 +225,8 @@ class Comm:
                     # Bitwise what DDP's all-reduce gives at 2 ranks, (a + b) / 2 = a / 2 + b / 2
                     # (a one-pass lerp is within an ulp only: resuming on the all-reduce
                     # path would then not replay a run exactly).
-                    mine.add_(received if world == 2 else chunks.sum(0))
+                    for chunk in chunks:  # in place: a temporary sum would fault in fresh pages
+                        mine.add_(chunk)
                     if not early:
                         mine.div_(world)
                     self._release(received)
