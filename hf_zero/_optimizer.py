@@ -474,6 +474,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             if self.parameters_as_bucket_view:
                 self._overlap = self._overlap or ParamSyncOverlap()
                 self._overlap.attach(ddp.module)
+                self._comm.own_sync_group()  # [Note: a group for the overlapped sync]
             else:
                 logger.warning("hf_zero: overlap_param_sync needs parameters_as_bucket_view=True; syncing in the step")
         if self.grad_reduce == "auto":

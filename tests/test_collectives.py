@@ -341,3 +341,53 @@ def test_without_grad_scaler_no_finite_agreement():
         assert len(reduces) == 2, with_scaler[rank]["steps"][step]
         reduces = [b for n, b in without[rank]["steps"][step] if n == "all_reduce"]
         assert len(reduces) == 1, without[rank]["steps"][step]
+
+
+def _sync_groups(rank, world_size, overlap):
+    from hf_zero import ZeroBucketOptimizer
+    from hf_zero._comm import _TAG_PARAMS
+
+    seen = []
+    isend = dist.isend
+
+    def recording(tensor, *args, **kwargs):
+        if kwargs.get("tag") == _TAG_PARAMS:
+            group = kwargs.get("group")
+            seen.append(None if group is None else (group is dist.group.WORLD, dist.get_process_group_ranks(group)))
+        return isend(tensor, *args, **kwargs)
+
+    dist.isend = recording
+    try:
+        model = Wide()
+        opt = ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, grad_reduce="reduce_scatter",
+                                  overlap_param_sync=overlap)
+        ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=0.05)
+        opt.bind_ddp(ddp)
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 64, generator=g), torch.randn(8, 8, generator=g)
+            ddp(x[rank::world_size], y[rank::world_size]).backward()
+            opt.step()
+            opt.zero_grad()
+            dist.all_reduce(torch.ones(1))  # another collective of the default group while the sync is in flight
+        opt.wait_param_sync()
+    finally:
+        dist.isend = isend
+    return {"seen": seen, "params": params_of(model)}
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_sync_runs_on_its_own_group():
+    """[Note: a group for the overlapped sync]: with the overlapped sync every param-sync send
+    goes over a group of the same ranks other than the default one (so a collective the
+    default group starts meanwhile does not queue behind it); without overlap over the
+    optimizer's own group. Results equal either way."""
+    own = run_ranks(_sync_groups, 2, True, timeout=100)
+    plain = run_ranks(_sync_groups, 2, False, timeout=100)
+    for r in own:
+        assert r["seen"] and all(s == (False, [0, 1]) for s in r["seen"]), r["seen"]
+    for r in plain:
+        assert r["seen"] and all(s is None for s in r["seen"]), r["seen"]
+    assert_replicas_identical([r["params"] for r in own])
+    for a, b in zip(own, plain):
+        assert_params_equal(a["params"], b["params"])
