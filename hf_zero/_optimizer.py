@@ -456,7 +456,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         averaged by the optimizer). With ``grad_reduce="reduce_scatter"`` it registers the
         DDP comm hook that reduce-scatters the grads (falling back, with a logged reason,
         to DDP's all-reduce when DDP already has a comm hook or a different process
-        group); with ``overlap_param_sync`` it hooks the wrapped module's forwards.
+        group); with ``overlap_param_sync`` it hooks the wrapped module's forwards and
+        makes the process group the overlapped sync runs on (same ranks and backend).
         ``grad_reduce_default`` / ``overlap_default`` resolve ``"auto"`` / ``None``;
         ``syncs_every_backward`` (gradient accumulation that syncs every micro-batch)
         keeps DDP's all-reduce, which such accumulation needs. ``grad_scaler=False``
