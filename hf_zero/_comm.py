@@ -124,8 +124,8 @@ class Comm:
             return None
         sizes = [b - a for a, b in zip(bounds, bounds[1:])]
         how = self.sync_by
-        if self.sync_by not in ("all_gather", "broadcast", "send_recv"):
-            raise ValueError(f"sync_by must be 'all_gather', 'broadcast' or 'send_recv', got {self.sync_by!r}")
+        if how not in ("all_gather", "broadcast", "send_recv"):
+            raise ValueError(f"sync_by must be 'all_gather', 'broadcast' or 'send_recv', got {how!r}")
         if (how == "all_gather" and len(set(sizes)) != 1) or (how == "send_recv" and buffer.device.type != "cpu"):
             how = "broadcast"  # gloo's point-to-point is CPU-only
         group = self._sync_group if self._sync_group is not None else self.group

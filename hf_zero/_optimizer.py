@@ -480,25 +480,23 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                 logger.warning("hf_zero: overlap_param_sync needs parameters_as_bucket_view=True; syncing in the step")
         if self.grad_reduce == "auto":
             self.grad_reduce = grad_reduce_default
+        if self.grad_reduce == "reduce_scatter" and self._reducer is None and self._comm.world_size > 1:
+            reason = None
+            if syncs_every_backward:
+                reason = "gradient accumulation syncs every micro-batch (sync_each_batch), which needs full grads"
+            elif not self._comm.same_group(ddp.process_group):
+                reason = "DistributedDataParallel runs over another process group than this optimizer"
+            else:
+                attached = _scatter_hook.attach(ddp, self)
+                if isinstance(attached, str):
+                    reason = attached
+                else:
+                    self._reducer = attached
+            if reason is not None:
+                logger.warning("hf_zero: grad_reduce='reduce_scatter' is off, DDP all-reduces the grads: %s", reason)
+                self.grad_reduce = "all_reduce"
         if self._reducer is not None:
             self._reducer.agree_on_finite = grad_scaler
-        if self.grad_reduce != "reduce_scatter" or self._reducer is not None or self._comm.world_size == 1:
-            return
-        reason = None
-        if syncs_every_backward:
-            reason = "gradient accumulation syncs every micro-batch (sync_each_batch), which needs full grads"
-        elif not self._comm.same_group(ddp.process_group):
-            reason = "DistributedDataParallel runs over another process group than this optimizer"
-        else:
-            attached = _scatter_hook.attach(ddp, self)
-            if isinstance(attached, str):
-                reason = attached
-            else:
-                self._reducer = attached
-                attached.agree_on_finite = grad_scaler
-        if reason is not None:
-            logger.warning("hf_zero: grad_reduce='reduce_scatter' is off, DDP all-reduces the grads: %s", reason)
-            self.grad_reduce = "all_reduce"
 
     @property
     def layout(self) -> Layout | None:
@@ -576,9 +574,10 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         chosen = self._selected(parameters, "clip_grad_norm_")
         if not self._iteration.grads_averaged:
             self.average_unreduced_grads()
+        pieces = self._norm_pieces()
         grads = [
             self._params[pc.index].grad.reshape(-1)[pc.start : pc.stop]
-            for pc in self._norm_pieces()
+            for pc in pieces
             if pc.index in chosen and self._params[pc.index].grad is not None
         ]
         first = next((self._params[i].grad for i in sorted(chosen) if self._params[i].grad is not None), None)
@@ -602,18 +601,19 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         total = total.to(dtype=dtype)
         if max_norm != float("inf"):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            for g in self._valid_grads(chosen):
+            for g in self._valid_grads(chosen, pieces):
                 g.mul_(coef.to(device=g.device, dtype=g.dtype))
         return total.to(first.device) if first is not None else total
 
-    def _valid_grads(self, chosen: set[int]) -> list[torch.Tensor]:
+    def _valid_grads(self, chosen: set[int], pieces: list[Piece] | None = None) -> list[torch.Tensor]:
         """The grads of these params where they hold the average: whole, or only this
         rank's ranges after a reduce-scatter (scaling the rest, which only holds this
-        rank's own contribution, would be a wasted pass over (N-1)/N of it)."""
+        rank's own contribution, would be a wasted pass over (N-1)/N of it).
+        ``pieces``: :meth:`_norm_pieces` when the caller has them already."""
         partial = self._reducer.partial_grads if self._reducer is not None else set()
         owned: dict[int, list[Piece]] = {}
         if partial & chosen:
-            for pc in self._norm_pieces():
+            for pc in pieces if pieces is not None else self._norm_pieces():
                 owned.setdefault(pc.index, []).append(pc)
         out = []
         for i in sorted(chosen):
