@@ -185,8 +185,8 @@ def _handler(ctx) -> tuple[Any, dict[str, Any]]:
     kwargs["weight_decay"] = ctx.args.weight_decay
     if kwargs["overlap_param_sync"] is None:
         # On CPU the sync's gloo threads share the cores the forward computes on, so
-        # overlapping hides nothing (measured: no gain beyond noise, docs/gradient_path.md,
-        # "Overlap"); the step then leaves complete params. GPUs move bytes beside the compute.
+        # overlapping hides nothing; it measured slower than waiting in the step
+        # (docs/gradient_path.md, "Overlap"). GPUs move bytes beside the compute.
         kwargs["overlap_param_sync"] = ctx.args.device.type != "cpu"
     return ZeroBucketFactory, kwargs
 
