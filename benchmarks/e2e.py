@@ -39,11 +39,10 @@ algorithms: ring all-reduce 2B(N-1)/N, broadcast and all-gather B(N-1)/N, all-to
 exactly what goes to other ranks.
 
 The Trainer rows run ``Trainer.train()`` with ``optim="zero_bucket"`` (defaults:
-reduce-scatter; on CPU the param sync waits in the step, an accelerator would
-overlap it) and ``optim="adamw_torch"``, alternating runs in a shuffled order; a
-step is the time between consecutive forward starts (a forward pre-hook, not a
-TrainerCallback: with an overlapped sync a user callback makes hf_zero drain it
-after each step, see hf_zero/integrations/transformers.py).
+reduce-scatter and overlapped sync) and ``optim="adamw_torch"``, alternating runs in
+a shuffled order; a step is the time between consecutive forward starts (a forward
+pre-hook, not a TrainerCallback: a user callback makes hf_zero drain the overlapped
+sync after each step, see hf_zero/integrations/transformers.py).
 """
 
 from __future__ import annotations
@@ -93,7 +92,7 @@ FULL = {
     "warmup": 5,  # DDP rebuilds its buckets after iteration 1; reduce-scatter starts at the 4th backward
     "burst": 2,
     "rounds": 10,
-    "trainer": {"batches": [1, 4], "warmup": 4, "steps": 8, "rounds": 3},
+    "trainer": {"batches": [1, 4], "warmup": 4, "steps": 8, "rounds": 2},
     "timeout_s": 2400,  # ~5 min on 2 idle cores; this shared machine has run it 3x slower
 }
 SMOKE = {

@@ -63,10 +63,8 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
     (``auto``/``flat``/``param``), ``bucket_view`` (bool), ``sharded_checkpoints``
     (bool: read by :class:`ZeroBucketCallback`, see :func:`sharded_checkpoints_requested`),
     ``grad_reduce`` (``reduce_scatter``, the default, or ``all_reduce``: DDP's own
-    all-reduce), ``overlap`` (bool, or ``auto``, the default: the parameter sync overlaps
-    the next forward when training on an accelerator, not on CPU; ``auto`` gives
-    ``overlap_param_sync=None``, resolved by the handler), and the inner optimizer's own
-    options (e.g. ``momentum`` for ``sgd``).
+    all-reduce), ``overlap`` (bool, default true: the parameter sync overlaps the next
+    forward), and the inner optimizer's own options (e.g. ``momentum`` for ``sgd``).
     Unknown keys or values raise ``ValueError`` listing the valid ones.
     """
     inner = optim_args.get("inner", "adamw")
@@ -94,7 +92,7 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
         "shard": shard,
         "parameters_as_bucket_view": _bool("bucket_view", optim_args.get("bucket_view", "true")),
         "grad_reduce": grad_reduce,
-        "overlap_param_sync": _overlap(optim_args.get("overlap", "auto")),
+        "overlap_param_sync": _bool("overlap", optim_args.get("overlap", "true")),
         **fixed,
     }
     for key in extra:
@@ -108,15 +106,6 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
             else:
                 out[key] = _bool(key, raw)
     return out
-
-
-def _overlap(value: str) -> bool | None:
-    if value.lower() == "auto":
-        return None
-    try:
-        return _BOOL[value.lower()]
-    except KeyError:
-        raise ValueError(f"optim_args: overlap={value!r} is not valid; use auto or one of {sorted(_BOOL)}") from None
 
 
 def _parse_optim_args_string(text: str | None) -> dict[str, str]:
@@ -183,11 +172,6 @@ def _handler(ctx) -> tuple[Any, dict[str, Any]]:
     if _INNER[ctx.optim_args.get("inner", "adamw")][2]:
         kwargs.update(ctx.adam_kwargs)  # betas, eps
     kwargs["weight_decay"] = ctx.args.weight_decay
-    if kwargs["overlap_param_sync"] is None:
-        # On CPU the sync's gloo threads share the cores the forward computes on, so
-        # overlapping hides nothing; it measured slower than waiting in the step
-        # (docs/gradient_path.md, "Overlap"). GPUs move bytes beside the compute.
-        kwargs["overlap_param_sync"] = ctx.args.device.type != "cpu"
     return ZeroBucketFactory, kwargs
 
 
