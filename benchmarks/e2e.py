@@ -92,7 +92,7 @@ FULL = {
     "warmup": 5,  # DDP rebuilds its buckets after iteration 1; reduce-scatter starts at the 4th backward
     "burst": 2,
     "rounds": 10,
-    "trainer": {"batches": [1, 4], "warmup": 4, "steps": 8, "rounds": 2},
+    "trainer": {"batches": [1, 4], "warmup": 4, "steps": 8, "rounds": 3},
     "timeout_s": 2400,  # ~5 min on 2 idle cores; this shared machine has run it 3x slower
 }
 SMOKE = {
