@@ -594,7 +594,8 @@ def summary_markdown(runs: list[dict]) -> str:
     heads = [f"run {i + 1}" for i in range(len(runs))]
     lines = ["Runs: " + "; ".join(f"**{h}** {_run_label(r)} (`{r['env']['command']}`, checkout `{r['env']['git']}`)"
                                   for h, r in zip(heads, runs)) + ".", "",
-             "| batch | contender (ratio to `ddp_adamw`) | " + " | ".join(heads) + " | all rounds pooled |",
+             "| batch | contender (ratio to `ddp_adamw`) | " + " | ".join(heads)
+             + " | all rounds pooled: median (95% interval) |",
              "|---|---|" + "---|" * len(runs) + "---|"]
     batches = [str(b) for b in runs[0]["config"]["batches"]]
     for b in batches:
@@ -602,16 +603,26 @@ def summary_markdown(runs: list[dict]) -> str:
             if n == BASELINE:
                 continue
             rows = [r["iteration"][b][n] for r in runs]
-            pooled = _median([x for row in rows for x in row["ratios"]])
+            pooled = _pooled([x for row in rows for x in row["ratios"]])
             lines.append(f"| {b} | `{n}` | " + " | ".join(f"{row['ratio_median']:.3f}" for row in rows)
-                         + f" | {pooled:.3f} |")
+                         + f" | {pooled} |")
     if all(r["trainer"].get("measured") for r in runs):
         for b in runs[0]["trainer"]["batches"]:
             rows = [r["trainer"]["batches"][b] for r in runs]
-            pooled = _median([x for row in rows for x in row["ratios"]])
+            pooled = _pooled([x for row in rows for x in row["ratios"]])
             lines.append(f"| {b} | Trainer `zero_bucket` / `adamw_torch` | "
-                         + " | ".join(f"{row['ratio_median']:.3f}" for row in rows) + f" | {pooled:.3f} |")
+                         + " | ".join(f"{row['ratio_median']:.3f}" for row in rows) + f" | {pooled} |")
+    lines += ["", "The interval: a 95% bootstrap of the pooled median (2000 seeded resamples of the pooled "
+              "ratios: rounds, or the Trainer's paired runs). Where it holds a goal, these runs cannot tell "
+              "whether the goal is met."]
     return "\n".join(lines) + "\n"
+
+
+def _pooled(ratios: list[float]) -> str:
+    """The median of ``ratios`` and a 95% percentile-bootstrap interval of it."""
+    rng = random.Random(0)
+    medians = sorted(_median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    return f"{_median(ratios):.3f} ({medians[50]:.3f}-{medians[1949]:.3f})"
 
 
 def write_docs(doc: Path, md: str) -> None:

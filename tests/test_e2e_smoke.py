@@ -74,7 +74,18 @@ def test_smoke_run(tmp_path):
     assert text.count(e2e.BEGIN) == 1 and text.endswith("\n\nafter\n")
     summary = text.split("### Every run", 1)[1]
     median = res["iteration"]["1"]["hf_zero_rs_overlap"]["ratio_median"]
-    assert f"| 1 | `hf_zero_rs_overlap` | {median:.3f} | {median:.3f} | {median:.3f} |" in summary
+    # One round per smoke run: the pooled median of two equal runs, and a bootstrap interval of width 0.
+    m = f"{median:.3f}"
+    assert f"| 1 | `hf_zero_rs_overlap` | {m} | {m} | {m} ({m}-{m}) |" in summary
+
+
+def test_pooled_median_interval():
+    ratios = [0.90 + 0.01 * (i % 11) for i in range(55)]  # 0.90-1.00, five of each: median 0.95
+    text = e2e._pooled(ratios)
+    assert text == e2e._pooled(list(ratios))  # seeded: the same docs from the same runs
+    median, interval = text.split(" ")
+    lo, hi = (float(x) for x in interval.strip("()").split("-"))
+    assert median == "0.950" and 0.90 <= lo <= 0.95 <= hi <= 1.00 and hi - lo < 0.05
 
 
 def test_phases_smoke_run(tmp_path):
