@@ -177,7 +177,7 @@ def _bytes(name, args, kwargs) -> tuple[int, float]:
 
 
 # -- one rank ------------------------------------------------------------------------------------------
-def _template(spec: dict):
+def template_model(spec: dict):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import torch
@@ -189,7 +189,7 @@ def _template(spec: dict):
     return model
 
 
-def _build(name: str, template, *, visible_all_reduce: bool):
+def build_contender(name: str, template, *, visible_all_reduce: bool):
     """A fresh model under DDP and its optimizer. ``visible_all_reduce``: DDP's own all-reduce
     goes through torch's Python ``allreduce_hook`` (counting only)."""
     import torch
@@ -220,19 +220,19 @@ def _build(name: str, template, *, visible_all_reduce: bool):
     return ddp, opt
 
 
-def _iteration(ddp, opt, batch) -> None:
+def run_iteration(ddp, opt, batch) -> None:
     ddp(input_ids=batch, labels=batch).loss.backward()
     opt.step()
     opt.zero_grad()
 
 
-def _drain(opt) -> None:
+def drain_sync(opt) -> None:
     wait = getattr(opt, "wait_param_sync", None)
     if wait is not None:
         wait()
 
 
-def _batches(cfg: dict, rank: int, batch: int, n: int = 4):
+def make_batches(cfg: dict, rank: int, batch: int, n: int = 4):
     import torch
 
     g = torch.Generator().manual_seed(1000 * rank + batch)
@@ -254,9 +254,9 @@ def e2e_rank(rank: int, world_size: int, cfg: dict) -> dict:
         phases[name] = now - clock
         clock = now
 
-    template = _template(cfg["model"])
+    template = template_model(cfg["model"])
     names = list(CONTENDERS)
-    data = {b: _batches(cfg, rank, b) for b in cfg["batches"]}
+    data = {b: make_batches(cfg, rank, b) for b in cfg["batches"]}
     b0 = cfg["batches"][0]
     counter = ByteCounter()
     counter.install()
@@ -273,18 +273,18 @@ def e2e_rank(rank: int, world_size: int, cfg: dict) -> dict:
     try:
         # 1. DDP's own all-reduce, made visible through torch's allreduce_hook on an untimed
         #    instance: one iteration after DDP rebuilt its buckets.
-        ddp, opt = _build(BASELINE, template, visible_all_reduce=True)
-        _iteration(ddp, opt, data[b0][0])
+        ddp, opt = build_contender(BASELINE, template, visible_all_reduce=True)
+        run_iteration(ddp, opt, data[b0][0])
         out["counted"]["ddp_all_reduce"] = _counted(counter, ddp, opt, data[b0][1])
         del ddp, opt
         gc.collect()
         phase("count_ddp")
         # 2. The timed instances, side by side. Warm up (the last warm-up iteration is the
         #    counted one: hf_zero's reduce-scatter is engaged by then), then interleaved rounds.
-        live = {name: _build(name, template, visible_all_reduce=False) for name in names}
+        live = {name: build_contender(name, template, visible_all_reduce=False) for name in names}
         for name, (ddp, opt) in live.items():
             for i in range(cfg["warmup"] - 1):
-                _iteration(ddp, opt, data[b0][i % len(data[b0])])
+                run_iteration(ddp, opt, data[b0][i % len(data[b0])])
             out["counted"][name] = _counted(counter, ddp, opt, data[b0][0])
         counter.uninstall()
         phase("warmup")
@@ -310,10 +310,10 @@ def _counted(counter: ByteCounter, ddp, opt, batch) -> dict:
     counted, in the step; waited for after)."""
     counter.calls, counter.active = [], True
     try:
-        _iteration(ddp, opt, batch)
+        run_iteration(ddp, opt, batch)
     finally:
         counter.active = False
-    _drain(opt)
+    drain_sync(opt)
     return counter.summary()
 
 
@@ -322,12 +322,12 @@ def _burst(ddp, opt, batches, burst: int) -> float:
     import torch.distributed as dist
 
     dist.barrier()
-    _iteration(ddp, opt, batches[0])
+    run_iteration(ddp, opt, batches[0])
     t0 = time.perf_counter()
     for i in range(1, burst):
-        _iteration(ddp, opt, batches[i % len(batches)])
+        run_iteration(ddp, opt, batches[i % len(batches)])
     dt = time.perf_counter() - t0
-    _drain(opt)
+    drain_sync(opt)
     return dt / (burst - 1)
 
 
@@ -603,13 +603,13 @@ def summary_markdown(runs: list[dict]) -> str:
             if n == BASELINE:
                 continue
             rows = [r["iteration"][b][n] for r in runs]
-            pooled = _pooled([x for row in rows for x in row["ratios"]])
+            pooled = pooled_median([x for row in rows for x in row["ratios"]])
             lines.append(f"| {b} | `{n}` | " + " | ".join(f"{row['ratio_median']:.3f}" for row in rows)
                          + f" | {pooled} |")
     if all(r["trainer"].get("measured") for r in runs):
         for b in runs[0]["trainer"]["batches"]:
             rows = [r["trainer"]["batches"][b] for r in runs]
-            pooled = _pooled([x for row in rows for x in row["ratios"]])
+            pooled = pooled_median([x for row in rows for x in row["ratios"]])
             lines.append(f"| {b} | Trainer `zero_bucket` / `adamw_torch` | "
                          + " | ".join(f"{row['ratio_median']:.3f}" for row in rows) + f" | {pooled} |")
     lines += ["", "The interval: a 95% bootstrap of the pooled median (2000 seeded resamples of the pooled "
@@ -618,7 +618,7 @@ def summary_markdown(runs: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _pooled(ratios: list[float]) -> str:
+def pooled_median(ratios: list[float]) -> str:
     """The median of ``ratios`` and a 95% percentile-bootstrap interval of it."""
     rng = random.Random(0)
     medians = sorted(_median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))

@@ -3,11 +3,17 @@
 
 ``python -m benchmarks.e2e_phases [--smoke] [--batch 1] [--iterations 12]``
 
-Every iteration starts after a barrier (nothing in flight), and each phase is timed on
-its own; the medians over the iterations after the first 4 are printed per rank, in ms.
-With the overlapped sync the barrier also waits for the sync launched by the step, so
-that contender's phases leave the sync out: its cost shows in ``benchmarks.e2e``'s
-iteration ratios, not here. A diagnostic: ``benchmarks.e2e`` holds the measurements.
+Each iteration is timed as ``benchmarks.e2e`` times a burst of 2: after a barrier (nothing
+in flight) one untimed iteration, then the timed one, then the overlapped sync it launched
+is waited for, untimed. So the overlapped contender's forward holds its wait for the
+previous step's sync, as in a long run. Contenders take turns in an order shuffled per
+iteration. Per phase it records the wall time and the CPU time of the thread that runs
+the iteration (``time.thread_time``: forward, backward and the optimizer step run on it
+on CPU), and for the whole iteration also the CPU time of the process (every thread:
+gloo's own threads do the transfers and DDP's sums). CPU times count the work a rank does
+itself, so they move much less than wall times on a shared machine. Medians over the
+iterations after the first 4, per rank, in ms. A diagnostic: ``benchmarks.e2e`` holds the
+measurements.
 """
 
 from __future__ import annotations
@@ -27,42 +33,58 @@ from benchmarks import e2e  # noqa: E402
 from benchmarks._ranks import run_ranks  # noqa: E402
 
 PHASES = ("forward", "backward", "step", "total")
+CPU = ("forward_cpu", "backward_cpu", "step_cpu", "total_cpu", "process_cpu")
 WARMUP = 4
 
 
 def phases_rank(rank: int, world_size: int, cfg: dict, batch: int, iterations: int) -> dict:
+    import random
+
     import torch.distributed as dist
 
-    template = e2e._template(cfg["model"])
-    out = {}
-    for name in e2e.CONTENDERS:
-        ddp, opt = e2e._build(name, template, visible_all_reduce=False)
-        data = e2e._batches(cfg, rank, batch)
-        times = {p: [] for p in PHASES}
-        for it in range(iterations):
+    template = e2e.template_model(cfg["model"])
+    live = {name: e2e.build_contender(name, template, visible_all_reduce=False) for name in e2e.CONTENDERS}
+    data = e2e.make_batches(cfg, rank, batch)
+    times = {name: {p: [] for p in PHASES + CPU} for name in live}
+    for it in range(iterations):
+        for name in random.Random(it).sample(list(live), len(live)):  # the same order on every rank
+            ddp, opt = live[name]
             dist.barrier()
-            t0 = time.perf_counter()
-            loss = ddp(input_ids=data[it % len(data)], labels=data[it % len(data)]).loss
-            t1 = time.perf_counter()
+            e2e.run_iteration(ddp, opt, data[0])
+            batch_ = data[1 + it % (len(data) - 1)]
+            process = time.process_time()
+            marks = [_clocks()]  # (wall, thread CPU) at the start and at each phase's end
+            loss = ddp(input_ids=batch_, labels=batch_).loss
+            marks.append(_clocks())
             loss.backward()
-            t2 = time.perf_counter()
+            marks.append(_clocks())
             opt.step()
             opt.zero_grad()
-            t3 = time.perf_counter()
-            if it >= min(WARMUP, iterations - 1):
-                for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
-                    times[p].append(dt * 1e3)
-        e2e._drain(opt)
-        out[name] = {p: statistics.median(v) for p, v in times.items()}
-        del ddp, opt
-    return out
+            marks.append(_clocks())
+            process = time.process_time() - process
+            e2e.drain_sync(opt)
+            if it < min(WARMUP, iterations - 1):
+                continue
+            record = times[name]
+            spans = list(zip(marks, marks[1:])) + [(marks[0], marks[-1])]  # forward, backward, step, total
+            for wall, cpu, (start, end) in zip(PHASES, CPU, spans):
+                record[wall].append(1e3 * (end[0] - start[0]))
+                record[cpu].append(1e3 * (end[1] - start[1]))
+            record["process_cpu"].append(1e3 * process)
+    return {name: {p: statistics.median(v) for p, v in t.items()} for name, t in times.items()}
+
+
+def _clocks() -> tuple[float, float]:
+    return time.perf_counter(), time.thread_time()
 
 
 def markdown(per_rank: list[dict], batch: int) -> str:
-    lines = [f"Batch {batch}, ms, median per rank (rank 0 / rank 1):", "",
-             "| contender | " + " | ".join(PHASES) + " |", "|---|" + "---|" * len(PHASES)]
+    lines = [f"Batch {batch}, ms, median per rank (rank 0 / rank 1); wall time, then the CPU time of the "
+             "iteration's thread, and of the whole process:", "",
+             "| contender | " + " | ".join(PHASES) + " | " + " | ".join(c.replace("_", " ") for c in CPU) + " |",
+             "|---|" + "---|" * (len(PHASES) + len(CPU))]
     for name in per_rank[0]:
-        cells = [" / ".join(f"{r[name][p]:.1f}" for r in per_rank) for p in PHASES]
+        cells = [" / ".join(f"{r[name][p]:.1f}" for r in per_rank) for p in PHASES + CPU]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

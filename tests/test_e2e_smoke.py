@@ -81,8 +81,8 @@ def test_smoke_run(tmp_path):
 
 def test_pooled_median_interval():
     ratios = [0.90 + 0.01 * (i % 11) for i in range(55)]  # 0.90-1.00, five of each: median 0.95
-    text = e2e._pooled(ratios)
-    assert text == e2e._pooled(list(ratios))  # seeded: the same docs from the same runs
+    text = e2e.pooled_median(ratios)
+    assert text == e2e.pooled_median(list(ratios))  # seeded: the same docs from the same runs
     median, interval = text.split(" ")
     lo, hi = (float(x) for x in interval.strip("()").split("-"))
     assert median == "0.950" and 0.90 <= lo <= 0.95 <= hi <= 1.00 and hi - lo < 0.05
@@ -97,5 +97,9 @@ def test_phases_smoke_run(tmp_path):
     for rank in per_rank:
         assert set(rank) == set(e2e.CONTENDERS)
         for name, phases in rank.items():
-            assert set(phases) == set(e2e_phases.PHASES) and all(v > 0 for v in phases.values()), name
-            assert phases["total"] >= phases["forward"] + phases["backward"], name  # one timed iteration
+            assert set(phases) == set(e2e_phases.PHASES + e2e_phases.CPU), name
+            assert all(v > 0 for v in phases.values()), name
+            # one timed iteration, on one thread of one process
+            assert phases["total"] >= phases["forward"] + phases["backward"], name
+            assert phases["total_cpu"] >= phases["forward_cpu"] + phases["backward_cpu"], name
+            assert phases["process_cpu"] >= phases["total_cpu"] - 0.05, name
