@@ -51,10 +51,10 @@ def phases_rank(rank: int, world_size: int, cfg: dict, batch: int, iterations: i
             ddp, opt = live[name]
             dist.barrier()
             e2e.run_iteration(ddp, opt, data[0])
-            batch_ = data[1 + it % (len(data) - 1)]
+            inputs = data[1 + it % (len(data) - 1)]
             process = time.process_time()
             marks = [_clocks()]  # (wall, thread CPU) at the start and at each phase's end
-            loss = ddp(input_ids=batch_, labels=batch_).loss
+            loss = ddp(input_ids=inputs, labels=inputs).loss
             marks.append(_clocks())
             loss.backward()
             marks.append(_clocks())
