@@ -52,7 +52,7 @@ def phases_rank(rank: int, world_size: int, cfg: dict, batch: int, iterations: i
             dist.barrier()
             e2e.run_iteration(ddp, opt, data[0])
             inputs = data[1 + it % (len(data) - 1)]
-            process = time.process_time()
+            process_start = time.process_time()
             marks = [_clocks()]  # (wall, thread CPU) at the start and at each phase's end
             loss = ddp(input_ids=inputs, labels=inputs).loss
             marks.append(_clocks())
@@ -61,7 +61,7 @@ def phases_rank(rank: int, world_size: int, cfg: dict, batch: int, iterations: i
             opt.step()
             opt.zero_grad()
             marks.append(_clocks())
-            process = time.process_time() - process
+            process_cpu = time.process_time() - process_start
             e2e.drain_sync(opt)
             if it < min(WARMUP, iterations - 1):
                 continue
@@ -70,7 +70,7 @@ def phases_rank(rank: int, world_size: int, cfg: dict, batch: int, iterations: i
             for wall, cpu, (start, end) in zip(PHASES, CPU, spans):
                 record[wall].append(1e3 * (end[0] - start[0]))
                 record[cpu].append(1e3 * (end[1] - start[1]))
-            record["process_cpu"].append(1e3 * process)
+            record["process_cpu"].append(1e3 * process_cpu)
     return {name: {p: statistics.median(v) for p, v in t.items()} for name, t in times.items()}
 
 
