@@ -129,6 +129,13 @@ class OverflowOnRank1(TrainerCallback):
             self.handle = None
 
 
+class SaveOnEvaluate(TrainerCallback):
+    """Asks for a checkpoint after every evaluation (a user callback deciding late)."""
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        control.should_save = True
+
+
 def trainer_style_adamw(model, args) -> torch.optim.AdamW:
     """The reference: torch AdamW with Trainer's decay groups over *all* params (frozen too)."""
     decay = set(Trainer.get_decay_parameter_names(None, model))
@@ -155,6 +162,8 @@ def run_trainer(
     sharded_checkpoints=False,
     plain_module=False,
     user_callbacks=True,
+    evaluate=False,
+    save_on_evaluate=False,
     **overrides,
 ):
     """One Trainer run; returns (final params, log_history, info) from this rank.
@@ -163,6 +172,8 @@ def run_trainer(
     at that step; ``info`` then holds the per-step skip flags and the final loss scale.
     ``user_callbacks=False``: no callback of the test's own (the trainability schedule
     is not applied), so the overlapped parameter sync runs into the next forward.
+    ``evaluate``: an evaluation set (16 examples); ``save_on_evaluate``: a callback that
+    sets ``control.should_save`` after each evaluation.
     ``info`` also says which gradient path the optimizer took.
     """
     os.environ.setdefault("LOCAL_RANK", str(rank))
@@ -216,10 +227,13 @@ def run_trainer(
         callbacks.insert(0, hf_zero.ZeroBucketCallback(sharded_checkpoints=sharded_checkpoints))
     if overflow:
         callbacks.append(OverflowOnRank1(*overflow))
+    if save_on_evaluate:
+        callbacks.append(SaveOnEvaluate())
     trainer = (CpuGradScalerTrainer if overflow else InOrderTrainer)(
         model=model,
         args=args,
         train_dataset=TokenDataset(),
+        eval_dataset=TokenDataset(n=16, seed=1) if evaluate else None,
         callbacks=callbacks,
         optimizers=optimizers,
     )

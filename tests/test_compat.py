@@ -154,3 +154,27 @@ def test_ddp_find_unused_parameters_follows_trainers_rule_for_this_version(tmp_p
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert _compat.ddp_find_unused_parameters(_args(tmp_path), model) is False
     assert _compat.ddp_find_unused_parameters(_args(tmp_path, ddp_find_unused_parameters=True), model) is True
+
+
+def test_optimizer_save_hook_wraps_where_trainer_writes_the_optimizer():
+    """hf_zero consolidates in Trainer._save_optimizer_and_scheduler (before_optimizer_save):
+    Trainer must still write optimizer.pt there, from _save_checkpoint, on every rank."""
+    original = inspect.unwrap(Trainer._save_optimizer_and_scheduler)
+    assert getattr(Trainer._save_optimizer_and_scheduler, _compat._TRAINER_WRAPPED, False)
+    assert list(inspect.signature(original).parameters) == ["self", "output_dir"]
+    assert "torch.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))" in inspect.getsource(original)
+    assert "self._save_optimizer_and_scheduler(output_dir)" in inspect.getsource(Trainer._save_checkpoint)
+    wrapped = Trainer._save_optimizer_and_scheduler
+    _compat.before_optimizer_save(Trainer, hf_tr._before_optimizer_save)
+    assert Trainer._save_optimizer_and_scheduler is wrapped  # idempotent
+
+
+def test_prepare_hook_runs_before_accelerate_dispatches_engines():
+    """Engines with their own prepare paths (DeepSpeed, Megatron-LM, FSDP2) are refused in
+    a wrapper of Accelerator.prepare (before_prepare), before that dispatch."""
+    from accelerate import Accelerator
+
+    assert getattr(Accelerator.prepare, _compat._BEFORE_PREPARE, False)
+    source = inspect.getsource(inspect.unwrap(Accelerator.prepare))
+    for path in ("self._prepare_deepspeed(", "self._prepare_megatron_lm("):
+        assert path in source, path

@@ -431,3 +431,84 @@ def test_factory_with_a_decay_rule_selecting_no_param(tmp_path):
     opt = trainer.create_optimizer()
     assert len(opt.param_groups) == 1 and opt.param_groups[0]["weight_decay"] == 0.0
     assert len(opt.param_groups[0]["params"]) == len(list(model.parameters()))
+
+
+# -- configurations hf_zero cannot serve -------------------------------------------------------
+def _refused(callable_, what):
+    with pytest.raises(ValueError, match=rf"ZeroBucketOptimizer cannot run under {what}") as info:
+        callable_()
+    assert "optim='zero_bucket'" in str(info.value) and "adamw_torch" in str(info.value)
+
+
+@pytest.mark.reliability("Trainer with optim='zero_bucket' under FSDP, DeepSpeed, Megatron-LM, tensor/context parallelism",
+                         "`ValueError` at optimizer creation (before any step) naming the engine and the setting")
+def test_trainer_refuses_engines_that_shard_or_split_params(tmp_path, monkeypatch):
+    from accelerate import Accelerator, ParallelismConfig
+    from accelerate.utils import DistributedType
+
+    model = tiny_bert()
+    # Read from the args (the decision Trainer makes before it builds the accelerator).
+    _refused(lambda: Trainer.get_optimizer_cls_and_kwargs(_args(tmp_path, optim="zero_bucket", fsdp=True), model),
+             r"FSDP \(fsdp=")
+    tp = _args(tmp_path, optim="zero_bucket", parallelism_config=ParallelismConfig(tp_size=2))
+    _refused(lambda: Trainer.get_optimizer_cls_and_kwargs(tp, model), r"tensor parallelism \(parallelism_config.tp_size=2\)")
+    cp = _args(tmp_path, optim="zero_bucket", parallelism_config=ParallelismConfig(cp_size=2))
+    _refused(lambda: Trainer.get_optimizer_cls_and_kwargs(cp, model), r"context parallelism")
+    # Read from the Trainer's accelerator (DeepSpeed needs its package to build the args:
+    # the decision Trainer takes from them is the accelerator's distributed type).
+    trainer = Trainer(model=model, args=_args(tmp_path, optim="zero_bucket"))
+    for kind, name in ((DistributedType.DEEPSPEED, "DeepSpeed"), (DistributedType.MEGATRON_LM, "Megatron-LM"),
+                       (DistributedType.FSDP, "FSDP")):
+        monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self, kind=kind: kind))
+        _refused(trainer.create_optimizer, rf"{name} \(distributed_type={kind.value}\)")
+        assert trainer.optimizer is None
+    monkeypatch.undo()
+    # A model loaded with a tensor-parallel plan says so (its tp_size property).
+    trainer = Trainer(model=model, args=_args(tmp_path, optim="zero_bucket"))
+    monkeypatch.setattr(type(model), "tp_size", property(lambda self: 2), raising=False)
+    _refused(trainer.create_optimizer, r"tensor parallelism \(tp_size=2\)")
+    monkeypatch.undo()
+    assert isinstance(Trainer(model=model, args=_args(tmp_path, optim="zero_bucket")).create_optimizer(),
+                      hf_zero.ZeroBucketOptimizer)
+
+
+# -- saves decided after the step's callbacks ----------------------------------------------------
+def _checkpoints(root):
+    return sorted((d for d in os.listdir(root) if d.startswith("checkpoint-")), key=lambda d: int(d.split("-")[1]))
+
+
+@pytest.mark.reliability("Trainer, 2 ranks: save_strategy='best' (the save is decided after evaluation) and a user callback "
+                         "setting should_save in on_evaluate",
+                         "the same checkpoints, optimizer.pt state and logged losses as adamw_torch (1e-12)")
+@pytest.mark.timeout(400)
+def test_saves_decided_after_evaluation_write_what_adamw_torch_writes(tmp_path):
+    runs = {
+        "best": dict(evaluate=True, eval_strategy="steps", eval_steps=2, save_strategy="best",
+                     metric_for_best_model="eval_loss"),
+        "callback": dict(evaluate=True, eval_strategy="steps", eval_steps=3, save_on_evaluate=True),
+    }
+    table = [("run_trainer", dict(output_dir=str(tmp_path / f"{name}-{optim}"), optim=optim, user_callbacks=False,
+                                  **kw))
+             for name, kw in runs.items() for optim in ("zero_bucket", "adamw_torch")]
+    rank0, rank1 = run_ranks(run_many, 2, table, timeout=380)
+    for i, name in enumerate(runs):
+        (zero, zero_log, _), (adamw, adamw_log, _) = rank0[2 * i], rank0[2 * i + 1]
+        _assert_params_close(rank1[2 * i][0], zero, 0.0, f"{name}: rank 1 vs rank 0")
+        _assert_params_close(zero, adamw, 1e-12, f"{name}: zero_bucket vs adamw_torch")
+        for key in ("loss", "eval_loss", "grad_norm"):
+            got = [(e["step"], e[key]) for e in zero_log if key in e]
+            want = [(e["step"], e[key]) for e in adamw_log if key in e]
+            assert [s for s, _ in got] == [s for s, _ in want] and got, (name, key)
+            torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]),
+                                       rtol=1e-10, atol=0)
+        zero_dir, adamw_dir = tmp_path / f"{name}-zero_bucket", tmp_path / f"{name}-adamw_torch"
+        assert _checkpoints(zero_dir) == _checkpoints(adamw_dir) != []
+        for ckpt in _checkpoints(adamw_dir):
+            got = torch.load(zero_dir / ckpt / "optimizer.pt", weights_only=True)
+            want = torch.load(adamw_dir / ckpt / "optimizer.pt", weights_only=True)
+            assert got["state"].keys() == want["state"].keys() and len(want["state"]) == len(zero), ckpt
+            for j in want["state"]:
+                for k in ("exp_avg", "exp_avg_sq", "step"):
+                    torch.testing.assert_close(got["state"][j][k], want["state"][j][k], rtol=0, atol=1e-12)
+    # The callback saved after every evaluation (steps 3 and 6, and the last step: Trainer evaluates there).
+    assert _checkpoints(tmp_path / "callback-adamw_torch") == ["checkpoint-3", "checkpoint-6", "checkpoint-7"]

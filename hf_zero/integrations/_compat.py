@@ -72,6 +72,27 @@ def after_prepare(accelerator_class: type, callback: Callable[[Any, Any], Any]) 
         setattr(accelerator_class, name, wrap(method))
 
 
+_BEFORE_PREPARE = "_hf_zero_before_prepare"
+
+
+def before_prepare(accelerator_class: type, check: Callable[[Any, tuple], None]) -> None:
+    """Call ``check(accelerator, objects)`` at the start of every ``prepare(*objects)`` of
+    ``accelerator_class``, before Accelerate touches anything. DeepSpeed, Megatron-LM and
+    FSDP2 runs never reach ``prepare_model`` / ``prepare_optimizer`` (``prepare`` hands
+    them to their own paths), so :func:`after_prepare` cannot see them. Idempotent."""
+    method = _require(accelerator_class, "prepare", "accelerate")
+    if getattr(method, _BEFORE_PREPARE, False):
+        return
+
+    @functools.wraps(method)
+    def prepare(self, *args, **kwargs):
+        check(self, args)
+        return method(self, *args, **kwargs)
+
+    setattr(prepare, _BEFORE_PREPARE, True)
+    accelerator_class.prepare = prepare
+
+
 # -- transformers -------------------------------------------------------------------
 _CREATING: contextvars.ContextVar = contextvars.ContextVar("hf_zero_creating_trainer", default=None)
 _RESUMED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
@@ -122,6 +143,29 @@ def watch_trainer(trainer_class: type) -> None:
 
         setattr(_load_optimizer_and_scheduler, _TRAINER_WRAPPED, True)
         trainer_class._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
+
+
+def before_optimizer_save(trainer_class: type, before: Callable[[Any, str], None]) -> None:
+    """Call ``before(trainer, output_dir)`` on every rank right before ``trainer_class``
+    writes a checkpoint's optimizer state.
+
+    Trainer writes ``optimizer.pt`` in ``_save_optimizer_and_scheduler(output_dir)``
+    (every supported version, 4.57.1 to 5.24), called by ``_save_checkpoint`` on every
+    rank whenever a checkpoint is saved, whatever decided it (a save strategy, "best"
+    after an evaluation, a callback's ``control.should_save``); no callback event comes
+    between that decision and the write. Idempotent.
+    """
+    save = _require(trainer_class, "_save_optimizer_and_scheduler", "transformers")
+    if getattr(save, _TRAINER_WRAPPED, False):
+        return
+
+    @functools.wraps(save)
+    def _save_optimizer_and_scheduler(self, output_dir, *args, **kwargs):
+        before(self, output_dir)
+        return save(self, output_dir, *args, **kwargs)
+
+    setattr(_save_optimizer_and_scheduler, _TRAINER_WRAPPED, True)
+    trainer_class._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from .._optimizer import ZeroBucketOptimizer
 from . import _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
 from ._clipping import route_clipping
+from ._refusals import refusal, unsupported
 
 _DDP_HINT = (
     "To freeze params during training, build the Accelerator with "
@@ -106,7 +107,19 @@ def install(accelerator_class) -> None:
     """Wire every ``accelerator_class`` instance after each ``prepare_model`` /
     ``prepare_optimizer``. Idempotent; :mod:`hf_zero._autoload` calls it when
     ``accelerate.accelerator`` has been imported."""
+    _compat.before_prepare(accelerator_class, _refuse_engines)
     _compat.after_prepare(accelerator_class, _wire)
+
+
+def _refuse_engines(accelerator, objects=()) -> None:
+    """Raise before ``prepare`` when a ZeroBucketOptimizer is among ``objects`` (or
+    already prepared) and the accelerator runs an engine hf_zero cannot serve."""
+    if not any(ours(o) is not None for o in (*objects, *_compat.prepared_optimizers(accelerator))):
+        return
+    what = unsupported(distributed_type=accelerator.distributed_type,
+                       parallelism_config=getattr(accelerator, "parallelism_config", None))
+    if what is not None:
+        raise refusal(what, where="Accelerator.prepare")
 
 
 def _wire(accelerator, prepared=None) -> bool:
@@ -119,6 +132,7 @@ def _wire(accelerator, prepared=None) -> bool:
     optimizers = [o for o in map(ours, _compat.prepared_optimizers(accelerator)) if o is not None]
     if not optimizers:
         return False
+    _refuse_engines(accelerator)
     if getattr(accelerator.project_configuration, "save_on_each_node", False):
         raise ValueError(
             "hf_zero: ProjectConfiguration(save_on_each_node=True) is not supported with "

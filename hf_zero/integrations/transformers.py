@@ -21,6 +21,7 @@ from transformers.optimization import Adafactor
 from .._optimizer import ZeroBucketOptimizer
 from . import OPTIM_MEMBER, OPTIM_NAME, _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
+from ._refusals import refusal, unsupported
 from .accelerate import ours
 
 logger = logging.getLogger(__name__)
@@ -167,12 +168,29 @@ class ZeroBucketFactory:
 
 def _handler(ctx) -> tuple[Any, dict[str, Any]]:
     kwargs = parse_optim_args(ctx.optim_args)
+    _check_engine(ctx.args)
     _check_parallel(ctx.args)
     kwargs.update(ctx.optimizer_kwargs)  # lr
     if _INNER[ctx.optim_args.get("inner", "adamw")][2]:
         kwargs.update(ctx.adam_kwargs)  # betas, eps
     kwargs["weight_decay"] = ctx.args.weight_decay
     return ZeroBucketFactory, kwargs
+
+
+def _check_engine(args) -> None:
+    """Refuse FSDP, DeepSpeed, Megatron-LM and tensor/context parallelism (see
+    :mod:`hf_zero.integrations._refusals`), from the args and from the Trainer's accelerator."""
+    trainer = _compat.creating_trainer()
+    accelerator = getattr(trainer, "accelerator", None)
+    what = unsupported(
+        distributed_type=getattr(accelerator, "distributed_type", None),
+        parallelism_config=getattr(args, "parallelism_config", None) or getattr(accelerator, "parallelism_config", None),
+        tp_size=getattr(args, "tp_size", None) or getattr(getattr(trainer, "model", None), "tp_size", None),
+        fsdp=getattr(args, "fsdp", None),
+        deepspeed=getattr(args, "deepspeed", None),
+    )
+    if what is not None:
+        raise refusal(what, where=f"optim='{OPTIM_NAME}'")
 
 
 def _check_parallel(args) -> None:
@@ -196,6 +214,7 @@ def register() -> None:
     _compat.add_optimizer_name(OPTIM_NAME, member_name=OPTIM_MEMBER)
     _compat.register_optimizer(OPTIM_NAME, _handler)
     _compat.watch_trainer(transformers.Trainer)
+    _compat.before_optimizer_save(transformers.Trainer, _before_optimizer_save)
     if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
         transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
 
@@ -229,8 +248,10 @@ class ZeroBucketCallback(TrainerCallback):
     - a forward that follows the freezing of a param DDP reduces fails early, saying
       what to set, when DDP cannot handle it (``find_unused_parameters=False``,
       Trainer's default with gradient checkpointing);
-    - right before a checkpoint save it consolidates the optimizer state on rank 0,
-      so ``optimizer.pt`` is complete (Trainer calls ``state_dict()`` on rank 0 only);
+    - right before Trainer writes a checkpoint's optimizer state (whatever decided the
+      save: a strategy, ``save_strategy="best"``, a callback setting ``should_save``)
+      the optimizer state is consolidated on rank 0, so ``optimizer.pt`` is complete
+      (Trainer calls ``state_dict()`` on rank 0 only);
       with ``sharded_checkpoints=True`` every rank instead writes its own state to
       ``checkpoint-N/hf_zero_optimizer`` (``save_sharded``, no gather) and
       ``optimizer.pt`` is a small reference to it (see :mod:`hf_zero._sharded`);
@@ -296,7 +317,10 @@ class ZeroBucketCallback(TrainerCallback):
                 _SHARDED_SAVES[opt] = True
             return
         _DRIVER[opt] = self
-        _SHARDED_SAVES[opt] = self.sharded_checkpoints or sharded_checkpoints_requested(args)
+        _SHARDED_SAVES[opt] = sharded_checkpoints_requested(args) or any(
+            isinstance(cb, ZeroBucketCallback) and cb.sharded_checkpoints for cb in [self, *(_callbacks_of(opt) or [])]
+        )
+        _check_saving_ranks(opt, args)
         # DDP was built just before this event. Trainer sets accelerate's shared
         # GradientState.sync_gradients before each micro-batch.
         from accelerate.state import GradientState
@@ -329,30 +353,52 @@ class ZeroBucketCallback(TrainerCallback):
                 opt.wait_param_sync()
             self._record(opt, state)  # the step itself rebuilds after late trainability changes
 
-    def _before_save(self, args, state, control, optimizer) -> None:
-        opt = self._mine(optimizer)
-        if opt is None or not control.should_save or args.save_only_model:
-            return
-        # [Note: checkpoint hook] Trainer writes optimizer.pt from rank 0's state_dict(),
-        # then trainer_state.json, then rotates old checkpoints. Writing the sharded
-        # state first means a checkpoint whose optimizer.pt refers to it holds it.
-        if _SHARDED_SAVES.get(opt):
-            path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", SHARDED_DIR)
-            opt.save_sharded(path)
-            opt.refer_to_sharded(path, step=state.global_step)
-        else:
-            opt.consolidate_state_dict(to=0)
-
-    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
-        self._before_save(args, state, control, optimizer)
-
-    def on_epoch_end(self, args, state, control, optimizer=None, **kwargs):
-        self._before_save(args, state, control, optimizer)
-
     def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
         if self._mine(optimizer) is not None and logs is not None and self._pending:
             logs.update(self._pending)
             self._pending = {}
+
+
+def _before_optimizer_save(trainer, output_dir: str) -> None:
+    """Run on every rank right before Trainer writes a checkpoint's optimizer state
+    (whatever decided the save: a strategy, ``"best"``, a callback).
+
+    [Note: checkpoint hook] Trainer writes optimizer.pt from rank 0's state_dict() only,
+    then trainer_state.json, then rotates old checkpoints: the state is consolidated on
+    rank 0 here, or, with sharded checkpoints, every rank writes its own state first, so
+    a checkpoint whose optimizer.pt refers to it holds it."""
+    opt = ours(trainer.optimizer)
+    if opt is None:
+        return
+    if _sharded_saves(opt, trainer.args):
+        path = os.path.join(output_dir, SHARDED_DIR)
+        opt.save_sharded(path)
+        opt.refer_to_sharded(path, step=trainer.state.global_step)
+    else:
+        opt.consolidate_state_dict(to=0)
+
+
+def _sharded_saves(opt: ZeroBucketOptimizer, args) -> bool:
+    sharded = _SHARDED_SAVES.get(opt)
+    return sharded_checkpoints_requested(args) if sharded is None else sharded
+
+
+def _check_saving_ranks(opt: ZeroBucketOptimizer, args) -> None:
+    """Refuse, on every rank, a run where several ranks write ``optimizer.pt``
+    (``save_on_each_node`` over several nodes): the state is consolidated on rank 0 only."""
+    import torch.distributed as dist
+
+    if _sharded_saves(opt, args) or not args.save_on_each_node or not dist.is_initialized():
+        return
+    saving = [None] * dist.get_world_size()
+    dist.all_gather_object(saving, bool(args.should_save))
+    if sum(saving) > 1:
+        raise ValueError(
+            f"optim='{OPTIM_NAME}': save_on_each_node=True makes ranks {[r for r, s in enumerate(saving) if s]} "
+            "each write optimizer.pt, but the optimizer state is consolidated on rank 0 only. Use "
+            "--optim_args sharded_checkpoints=true (every rank writes its own shard; all ranks must see the "
+            "output directory) or save_on_each_node=False."
+        )
 
 
 _DDP_HINT = (
@@ -362,17 +408,20 @@ _DDP_HINT = (
 )
 
 
+def _callbacks_of(opt: ZeroBucketOptimizer) -> list | None:
+    """The callbacks of the Trainer that built ``opt`` (None when that Trainer is unknown)."""
+    ref = _TRAINER_OF.get(opt)
+    trainer = ref() if ref is not None else None
+    return None if trainer is None else list(trainer.callback_handler.callbacks)
+
+
 def _has_user_callbacks(opt: ZeroBucketOptimizer) -> bool:
     """Whether the Trainer that built ``opt`` has callbacks other than transformers' and
     hf_zero's (True when that Trainer is unknown)."""
-    ref = _TRAINER_OF.get(opt)
-    trainer = ref() if ref is not None else None
-    if trainer is None:
+    callbacks = _callbacks_of(opt)
+    if callbacks is None:
         return True
-    return any(
-        not type(cb).__module__.startswith(_PARAM_FREE_CALLBACK_MODULES)
-        for cb in trainer.callback_handler.callbacks
-    )
+    return any(not type(cb).__module__.startswith(_PARAM_FREE_CALLBACK_MODULES) for cb in callbacks)
 
 
 register()
