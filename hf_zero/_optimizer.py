@@ -17,6 +17,7 @@ from ._statedict import ShardedState, check_state_dict, group_problems, hyperpar
 from ._overlap import ParamSyncOverlap
 from ._comm import Comm, fingerprint
 from ._layout import Layout, ParamSpec, Piece, is_elementwise, plan_layout
+from ._masters import MASTER_KEY, Master, check_choice, needs_master, split_saved
 from ._state import Holding, Holdings, Kind, kind_of, redistribute, shape_as, split_canonical
 
 _NOT_HYPER = ("params", "param_names")
@@ -45,11 +46,17 @@ def _check_params(param_groups: list[dict]) -> None:
 
 @dataclass(frozen=True)
 class _LocalPiece:
-    """A piece this rank owns: ``tensor`` (a view of ``param``) is what the local optimizer steps."""
+    """A piece this rank owns: ``tensor`` is a view of ``param``; the local optimizer steps
+    ``master.tensor`` when there is a master (see [Note: master weights]), else ``tensor``."""
 
     tensor: torch.Tensor
     param: torch.Tensor
     piece: Piece
+    master: Master | None = None
+
+    @property
+    def stepped(self) -> torch.Tensor:
+        return self.tensor if self.master is None else self.master.tensor
 
 
 @dataclass
@@ -126,6 +133,16 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             call :meth:`wait_param_sync` before reading params outside a forward or
             ``model.state_dict()``). ``None`` (default): what the integration binding
             DDP chooses, off in a plain loop.
+        master_weights: ``"auto"`` (default) or ``True``: each trainable bf16/fp16
+            param is stepped through an fp32 master copy of the elements this rank
+            owns, with fp32 optimizer state and the grads cast to fp32, and rounded
+            into the param after each step; the state dict carries each stepped
+            param's master as state ``"master_param"`` (float32, the param's shape).
+            Other dtypes are unchanged. ``False``: the local optimizer steps the
+            16-bit params themselves (pure 16-bit training). With fp16 params a
+            ``GradScaler`` cannot be used (torch refuses to unscale fp16 grads:
+            ``ValueError`` before anything changes); train fp16 with float32 params
+            under autocast, or use bf16. See [Note: master weights] in ``_masters.py``.
         **defaults: hyperparameters for ``optimizer_class``.
 
     Buffers are built at the first :meth:`step` (after ``model.to`` or
@@ -150,6 +167,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         shard: str = "auto",
         grad_reduce: str = "auto",
         overlap_param_sync: bool | None = None,
+        master_weights: bool | str = "auto",
         **defaults: Any,
     ):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
@@ -169,6 +187,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             )
         if grad_reduce not in GRAD_REDUCE:
             raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE}, got {grad_reduce!r}")
+        self._masters = check_choice(master_weights)
         if shard == "auto":
             shard = "flat" if is_elementwise(optimizer_class) else "param"
         self._ready = False
@@ -388,17 +407,20 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         flat = self.shard == "flat"
         for lp in self._pieces:
             g = lp.param.grad
-            if g is None:
-                lp.tensor.grad = None
-            elif flat:
-                lp.tensor.grad = g.reshape(-1)[lp.piece.start : lp.piece.stop]
+            if g is not None and flat:
+                g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
+            if lp.master is not None:
+                lp.master.set_grad(g)
             else:
                 lp.tensor.grad = g
         try:
             self._inner.step(**kwargs)
+            for lp in self._pieces:
+                if lp.master is not None and lp.master.tensor.grad is not None:
+                    lp.master.write_back()
         finally:
             for lp in self._pieces:
-                lp.tensor.grad = None
+                lp.stepped.grad = None
         # The local optimizer may change its own hyperparameters (as torch's ZeRO, copy them back).
         for inner_group, group in zip(self._inner.param_groups, self.param_groups):
             for k, v in inner_group.items():
@@ -669,10 +691,12 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         held: Holdings = {i: list(hs) for i, hs in self._parked.items()}
         if self._inner is not None:
             for lp in self._pieces:
-                st = self._inner.state.get(lp.tensor)
+                st = dict(self._inner.state.get(lp.stepped, {}))
+                if lp.master is not None and lp.master.stepped:
+                    st[MASTER_KEY] = lp.master.tensor
                 if st:
                     pc = lp.piece
-                    held.setdefault(pc.index, []).append(Holding(pc.start, pc.stop, tuple(lp.tensor.shape), dict(st)))
+                    held.setdefault(pc.index, []).append(Holding(pc.start, pc.stop, tuple(lp.tensor.shape), st))
         for hs in held.values():
             hs.sort(key=lambda h: h.start)
         return held
@@ -742,25 +766,33 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         nothing of it, so every rank's local optimizer sees the same hyperparameters)."""
         by_group: list[list[torch.Tensor]] = [[] for _ in self.param_groups]
         self._pieces = []
+        placed = []
         for pc in pieces:
             p = self._params[pc.index]
             t = p.data.view(-1)[pc.start : pc.stop]
             if self.shard == "param":
                 t = t.view(p.shape)
-            self._pieces.append(_LocalPiece(t, p, pc))
-            by_group[self._group_of[pc.index]].append(t)
+            state = next((shape_as(h, t.shape) for h in held.get(pc.index, ())
+                          if h.start == pc.start and h.stop == pc.stop), None)
+            state, saved = split_saved(state) if state is not None else (None, None)
+            master = Master(t, saved) if needs_master(self._masters, p) else None
+            lp = _LocalPiece(t, p, pc, master)
+            self._pieces.append(lp)
+            by_group[self._group_of[pc.index]].append(lp.stepped)
+            if state:
+                stepped = lp.stepped
+                placed.append((stepped, {
+                    k: v.to(device=stepped.device, dtype=stepped.dtype if v.is_floating_point() else v.dtype)
+                    if kind_of(v, stepped.shape) in (Kind.ELEMENTWISE, Kind.BLOB) else v
+                    for k, v in state.items()
+                }))
         groups = [
             {**{k: v for k, v in group.items() if k not in _NOT_HYPER}, "params": params}
             for group, params in zip(self.param_groups, by_group)
         ]
         self._inner = self.optimizer_class(groups)
-        for lp in self._pieces:
-            for h in held.get(lp.piece.index, ()):
-                if h.start == lp.piece.start and h.stop == lp.piece.stop:
-                    self._inner.state[lp.tensor] = {
-                        k: v.to(lp.tensor.device) if kind_of(v, lp.tensor.shape) in (Kind.ELEMENTWISE, Kind.BLOB) else v
-                        for k, v in shape_as(h, lp.tensor.shape).items()
-                    }
+        for t, st in placed:
+            self._inner.state[t] = st
 
     def release_views(self) -> None:
         """Give every param that shares its storage with another its own storage, for
@@ -776,21 +808,22 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                 p.data = p.data.clone()
 
     def stats(self) -> dict[str, Any]:
-        """Per-rank trainable elements owned and optimizer-state bytes held, and the
-        rebuild count. Collective (one small object exchange)."""
+        """Per-rank trainable elements owned, optimizer-state bytes and fp32 master-weight
+        bytes held (apart), and the rebuild count. Collective (one small object exchange)."""
         elements = sum(lp.piece.numel for lp in self._pieces)
-        state_bytes = sum(
-            v.numel() * v.element_size()
-            for hs in self._holdings().values()
-            for h in hs
-            for v in h.state.values()
-            if isinstance(v, torch.Tensor)
+        held = [(k, v) for hs in self._holdings().values() for h in hs for k, v in h.state.items()
+                if isinstance(v, torch.Tensor)]
+        state_bytes = sum(v.numel() * v.element_size() for k, v in held if k != MASTER_KEY)
+        live = {id(lp.master.tensor) for lp in self._pieces if lp.master is not None}
+        master_bytes = sum(lp.master.nbytes for lp in self._pieces if lp.master is not None) + sum(
+            v.numel() * v.element_size() for k, v in held if k == MASTER_KEY and id(v) not in live
         )
-        per_rank = self._comm.all_gather_object((elements, state_bytes))
+        per_rank = self._comm.all_gather_object((elements, state_bytes, master_bytes))
         return {
             "rebuilds": self.rebuilds,
-            "elements_per_rank": [e for e, _ in per_rank],
-            "state_bytes_per_rank": [b for _, b in per_rank],
+            "elements_per_rank": [e for e, _, _ in per_rank],
+            "state_bytes_per_rank": [b for _, b, _ in per_rank],
+            "master_bytes_per_rank": [m for _, _, m in per_rank],
         }
 
     # -- state dict ------------------------------------------------------------------
@@ -921,10 +954,15 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         return held
 
     def _cast(self, state: dict, i: int) -> dict:
-        """Copy loaded values to param ``i``'s device and dtype, as torch's load_state_dict does."""
+        """Copy loaded values to param ``i``'s device and dtype, as torch's load_state_dict does
+        (float32 for a param stepped through a master; a master is dropped without one)."""
         p, group = self._params[i], self.param_groups[self._group_of[i]]
+        master = needs_master(self._masters, p)
+        dtype = torch.float32 if master else p.dtype
         out = {}
         for k, v in state.items():
+            if k == MASTER_KEY and not master:
+                continue
             if not isinstance(v, torch.Tensor):
                 out[k] = v
             elif k == "step":
@@ -933,7 +971,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                 else:
                     out[k] = v.clone()
             elif p.is_floating_point():
-                out[k] = v.to(dtype=p.dtype, device=p.device, copy=True)
+                out[k] = v.to(dtype=dtype, device=p.device, copy=True)
             else:
                 out[k] = v.to(device=p.device, copy=True)
         return out

@@ -170,6 +170,9 @@ class Setup:
     groups: str = "one"
     schedule: tuple[tuple[int, tuple[str, ...]], ...] = ()
     lr_decay: float = 1.0  # every group's lr is multiplied by this after each step (an LR scheduler)
+    # The plain-torch references step 16-bit params directly; fp32 masters are compared
+    # with their own reference in tests/test_masters.py.
+    master_weights: bool | str = False
 
     def apply_schedule(self, model: nn.Module, step: int) -> None:
         for at, frozen in self.schedule:
@@ -217,7 +220,7 @@ def make_zero(setup: Setup, model: nn.Module, **kwargs):
     cls, hyper = optimizer_spec(setup.optimizer)
     return ZeroBucketOptimizer(
         param_groups(model, setup.groups), cls, shard=setup.shard,
-        parameters_as_bucket_view=setup.view, **hyper, **kwargs,
+        parameters_as_bucket_view=setup.view, **hyper, **{"master_weights": setup.master_weights, **kwargs},
     )
 
 

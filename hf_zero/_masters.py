@@ -1,0 +1,86 @@
+"""fp32 master weights for 16-bit params, sharded like the optimizer state.
+
+[Note: master weights]
+For a trainable bf16 or fp16 param (``master_weights`` on, the default), the rank that
+owns a piece keeps an fp32 copy of it, the *master*: the local optimizer steps the
+master, with the grad cast to fp32, and its state is fp32; the result is rounded (to
+nearest even, ``Tensor.copy_``) into the param's 16-bit piece, which the parameter
+sync then moves as 16-bit bytes. Updates smaller than half a 16-bit ulp accumulate in
+the master instead of being rounded away.
+
+A master is per-element state: once its param has been stepped it travels with the
+optimizer state under the key ``"master_param"`` (fp32, the piece's shape), so
+re-partitions, consolidated state dicts (a tensor of the param's full shape), sharded
+checkpoints and elastic loads move it like any moment, bitwise. A param never stepped
+has none: its master is its 16-bit value. Whenever pieces are (re)built, a master
+starts from its saved value where that rounds to the param's current value, and from
+the param's value where it does not (a param changed outside the optimizer, e.g.
+while frozen): the 16-bit param is what the user sees, and a saved master that agrees
+with it is never re-derived from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+MASTER_KEY = "master_param"
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+CHOICES = ("auto", True, False)
+
+
+def check_choice(master_weights: Any) -> bool:
+    """Whether ``master_weights`` turns masters on; a clear ``ValueError`` for anything but
+    ``"auto"``, ``True`` or ``False``."""
+    if isinstance(master_weights, bool):
+        return master_weights
+    if isinstance(master_weights, str) and master_weights == "auto":
+        return True
+    raise ValueError(
+        f"master_weights must be 'auto' (fp32 masters for bf16/fp16 params), True (the same) or False "
+        f"(the local optimizer steps the 16-bit params), got {master_weights!r}"
+    )
+
+
+def needs_master(enabled: bool, param: torch.Tensor) -> bool:
+    """Whether ``param`` is stepped through an fp32 master (16-bit dtypes only)."""
+    return enabled and param.dtype in HALF_DTYPES
+
+
+class Master:
+    """The fp32 master of one 16-bit piece ``view`` (a view of the param)."""
+
+    __slots__ = ("tensor", "view", "stepped")
+
+    def __init__(self, view: torch.Tensor, saved: torch.Tensor | None):
+        self.view = view
+        if saved is None:
+            self.tensor = view.detach().to(torch.float32, copy=True)
+        else:
+            self.tensor = saved.to(device=view.device, dtype=torch.float32).reshape(view.shape)
+            stale = self.tensor.to(view.dtype) != view
+            if bool(stale.any()):  # changed outside the optimizer: the param's value wins
+                self.tensor[stale] = view[stale].to(torch.float32)
+        self.stepped = saved is not None
+
+    def set_grad(self, grad: torch.Tensor | None) -> None:
+        """``grad``: the piece's 16-bit grad (any shape of the piece's numel), or None."""
+        self.tensor.grad = None if grad is None else grad.to(torch.float32).view(self.tensor.shape)
+
+    def write_back(self) -> None:
+        """Round the stepped master into the 16-bit piece."""
+        self.view.copy_(self.tensor)
+        self.stepped = True
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def split_saved(state: dict) -> tuple[dict, torch.Tensor | None]:
+    """A held state without its master, and the master (None when there is none)."""
+    if MASTER_KEY not in state:
+        return state, None
+    rest = dict(state)
+    return rest, rest.pop(MASTER_KEY)
