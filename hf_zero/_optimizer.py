@@ -25,6 +25,14 @@ GRAD_REDUCE = ("auto", "all_reduce", "reduce_scatter")
 logger = logging.getLogger(__name__)
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
 def _check_params(param_groups: list[dict]) -> None:
     """Reject what torch.optim accepts but sharding cannot handle, naming the param."""
     seen = set()
@@ -34,6 +42,11 @@ def _check_params(param_groups: list[dict]) -> None:
             raise ValueError(f"param group {gi} is empty")
         for k, (p, name) in enumerate(zip(group["params"], names)):
             label = f"param {name or k} of group {gi} (shape {tuple(p.shape)})"
+            if _is_dtensor(p):
+                raise ValueError(
+                    f"{label} is a DTensor (tensor parallelism / FSDP2): ZeroBucketOptimizer shards plain "
+                    "replicated params only; use torch's FSDP2 optimizer setup or plain (non-DTensor) params"
+                )
             if p.layout != torch.strided:
                 raise ValueError(f"{label} is {p.layout}: only dense (strided) params can be sharded")
             if not (p.is_floating_point() or p.is_complex()):
@@ -272,20 +285,23 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any):
         """Update the params this rank owns, then sync every buffer. Collective.
 
-        ``closure`` (re-evaluates the model, returns the loss) runs once, before the
-        update, on every rank; ``kwargs`` go to the local optimizer's ``step``, as
-        torch's ZeroRedundancyOptimizer forwards them. Returns the closure's loss.
+        A callable ``closure`` (re-evaluates the model, returns the loss) runs once,
+        before the update, on every rank; any other non-None ``closure`` goes to the
+        local optimizer's ``step`` with ``kwargs``, as torch's ZeroRedundancyOptimizer
+        forwards them. Returns the closure's loss (or what the local step returned).
         """
         Join.notify_join_context(self)
         loss = None
-        if closure is not None:
+        if callable(closure):
             with torch.enable_grad():
                 loss = closure()
+        elif closure is not None:
+            kwargs = {"closure": closure, **kwargs}
         self.wait_param_sync()
         self.ensure_partition()
         if not self._iteration.grads_averaged:
             self.average_unreduced_grads()
-        self._local_step(kwargs)
+        local_loss = self._local_step(kwargs)
         self._sync()
         self._iteration = _Iteration()
         if self._reducer is not None:
@@ -293,7 +309,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._has_state = True
         self._consolidated = None
         self._state_token = object()
-        return loss
+        return loss if loss is not None else local_loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -380,7 +396,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             self._comm.average_grads([p for p in self.unreduced_params() if p.requires_grad])
         self._iteration.grads_averaged = True
 
-    def _local_step(self, kwargs: dict) -> None:
+    def _local_step(self, kwargs: dict) -> Any:
         for inner_group, group in zip(self._inner.param_groups, self.param_groups):
             for k, v in group.items():
                 if k not in _NOT_HYPER:
@@ -395,7 +411,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             else:
                 lp.tensor.grad = g
         try:
-            self._inner.step(**kwargs)
+            loss = self._inner.step(**kwargs)
         finally:
             for lp in self._pieces:
                 lp.tensor.grad = None
@@ -404,6 +420,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             for k, v in inner_group.items():
                 if k not in _NOT_HYPER:
                     group[k] = v
+        return loss
 
     def _sync(self) -> None:
         if self._comm.world_size == 1:
