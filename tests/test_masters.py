@@ -95,7 +95,7 @@ def _owned_grads(opt, rank: int) -> dict:
     """The averaged grads this rank can vouch for: its own ranges once a layout exists
     (after a reduce-scatter only those hold the average), else whole grads (rank 0's are used)."""
     opt.average_unreduced_grads()
-    layout = opt.layout
+    layout = opt.gradient_path.layout
     pieces, laid = {}, set()
     if layout is not None:
         for r, pcs in enumerate(layout.all_pieces()):
