@@ -115,3 +115,25 @@ def test_consolidate_to_a_rank_that_does_not_exist():
     opt = hf_zero.ZeroBucketOptimizer(_model().parameters(), AdamW)
     with pytest.raises(ValueError, match=r"to must be a rank in \[0, 1\)"):
         opt.consolidate_state_dict(to=3)
+
+
+def _dtensor_param(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    weight = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Replicate()]))
+    plain = torch.nn.Parameter(torch.ones(2))
+    try:
+        hf_zero.ZeroBucketOptimizer([("plain", plain), ("tp.weight", weight)], AdamW)
+    except ValueError as e:
+        return str(e), torch.equal(weight.full_tensor(), torch.ones(4, 3))
+    return "no error", None
+
+
+@pytest.mark.reliability("Bad input: a DTensor param (tensor parallelism, FSDP2)", "`ValueError` naming the param")
+@pytest.mark.timeout(60)
+def test_dtensor_params_are_refused_naming_the_param():
+    message, unchanged = run_ranks(_dtensor_param, 1, timeout=40)[0]
+    assert "param tp.weight of group 0" in message and "DTensor" in message
+    assert unchanged

@@ -76,7 +76,7 @@ def _stage_kinds(stage, directory, params, previous):
             loaded = consolidated_copy(opt)
             other = checkpoint_zero(CheckpointNet(), kind, shard, view)
             other.load_state_dict(previous[kind])  # a CPU dict: each rank copies only its pieces
-            kept = _state_elements({i: [h.state for h in hs] for i, hs in other._parked.items()})
+            kept = _state_elements({i: [h.state for h in hs] for i, hs in other._lifecycle.parked.items()})
             loaded_full = consolidated_copy(other)
         checkpoint_train(model, opt, steps)
         opt.save_sharded(os.path.join(directory, f"{kind}-{stage}"))
@@ -285,7 +285,7 @@ def test_loaded_step_stays_where_fused_adamw_needs_it_and_cpu_dicts_load():
     fused = ZeroBucketOptimizer(CheckpointNet().named_parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True)
     sd_fused = {"state": sd["state"], "param_groups": [dict(g, fused=True) for g in sd["param_groups"]]}
     fused.load_state_dict(sd_fused)
-    for hs in fused._parked.values():
+    for hs in fused._lifecycle.parked.values():
         for h in hs:
             assert h.state["step"].dtype == torch.float32 and h.state["step"].device == h.state["exp_avg"].device
     m2 = CheckpointNet()

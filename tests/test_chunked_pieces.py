@@ -37,7 +37,7 @@ def _train(rank, world_size, setup: Setup, directory: str, name: str, resume_lim
     opt = make_zero(setup, model)
     ddp = DDP(model, find_unused_parameters=True)
     train_steps(setup, model, opt, range(3), world_size=world_size, rank=rank, forward=ddp)
-    pieces = opt._layout.pieces(rank)
+    pieces = opt.gradient_path.layout.pieces(rank)
     path = os.path.join(directory, name)
     opt.save_sharded(path)
     # Resume under another limit: the checkpoint's ranges differ from the new pieces.

@@ -139,7 +139,7 @@ def _count(rank, world_size, counter, case: Case):
     opt = make_zero(setup, model)
     ddp = DDP(model, find_unused_parameters=True)
     if case.sync_by is not None:
-        opt.comm.sync_by = case.sync_by
+        opt.gradient_path.comm.sync_by = case.sync_by
     at_ddp_build = [p.requires_grad for p in model.parameters()]
     steps = []
 

@@ -29,7 +29,8 @@ def _consolidate(rank, world_size):
     for steps in (range(0, 3), range(3, 5)):
         train_steps(SETUP, model, opt, steps, world_size=world_size, rank=rank, forward=ddp)
         opt.consolidate_state_dict(to=1)
-        live = _ptrs({lp.tensor: opt._inner.state[lp.tensor] for lp in opt._pieces if lp.tensor in opt._inner.state})
+        inner = opt._partition.inner
+        live = _ptrs({lp.tensor: inner.state[lp.tensor] for lp in opt._partition.pieces if lp.tensor in inner.state})
         if rank == 1:
             sd = opt.state_dict()
             got = _ptrs(sd["state"])

@@ -124,3 +124,39 @@ def test_join_with_uneven_inputs_matches_torch_zero():
             assert torch.equal(a, b), "replicas differ"
     for a, b in zip(ours[0], theirs[0]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+class SGDWithStepKWArg(torch.optim.SGD):
+    """torch's test_step_with_kwargs optimizer: its step takes a closure it ignores and a kwarg."""
+
+    def step(self, closure=None, dummy_kwarg=None):
+        super().step()
+        dummy_kwarg.append((closure, 5))
+        return "inner loss"
+
+
+def test_step_with_kwargs_forwards_a_non_callable_closure():
+    # torch's own test_step_with_kwargs: o.step(0, dummy_kwarg=...) reaches the local step.
+    seen = []
+    x = torch.tensor([1.0], requires_grad=True)
+    o = ZeroBucketOptimizer([x], optimizer_class=SGDWithStepKWArg, lr=0.1)
+    x.backward()
+    assert o.step(0, dummy_kwarg=seen) == "inner loss"
+    assert seen == [(0, 5)]
+    assert torch.equal(x.detach(), torch.tensor([0.9]))
+
+
+def test_step_runs_a_callable_closure_once_itself():
+    calls = []
+    x = torch.tensor([1.0], requires_grad=True)
+    o = ZeroBucketOptimizer([x], optimizer_class=ScaledSGD, lr=0.1)
+
+    def closure():
+        calls.append(1)
+        loss = (x * 2).sum()
+        loss.backward()
+        return loss
+
+    loss = o.step(closure, scale=0.5)
+    assert calls == [1] and loss.item() == 2.0
+    assert torch.equal(x.detach(), torch.tensor([0.9]))  # 1 - 0.1 * 0.5 * 2

@@ -113,18 +113,18 @@ def _train(rank, world_size, case: Case):
     model = build_model(setup.model)
     setup.apply_schedule(model, 0)
     opt = make_zero(setup, model, grad_reduce="reduce_scatter", overlap_param_sync=case.overlap)
-    opt.comm.reduce_scatter_by = case.primitive
+    opt.gradient_path.comm.reduce_scatter_by = case.primitive
     ddp = DDP(model, find_unused_parameters=case.find_unused, gradient_as_bucket_view=case.grad_as_bucket_view,
               bucket_cap_mb=BUCKET_MB, static_graph=case.static_graph)
     opt.bind_ddp(ddp)
     scattered = []
-    reduce_scatter = opt.comm.reduce_scatter_
+    reduce_scatter = opt.gradient_path.comm.reduce_scatter_
 
     def counted(buffer, bounds):
         scattered.append(buffer.numel())
         return reduce_scatter(buffer, bounds)
 
-    opt.comm.reduce_scatter_ = counted
+    opt.gradient_path.comm.reduce_scatter_ = counted
     # Nothing of hf_zero may run on gloo's threads (a Future.then callback would): see
     # [Note: no Python on communication threads] in hf_zero/_comm.py.
     then_calls = []
@@ -267,8 +267,8 @@ def _fp16(rank, world_size, sharded: bool, data_ranks: int):
         if step == INF_STEP and rank == world_size - 1:  # the reference: its only rank
             element = 0
             if sharded:  # an element of net.0.weight owned by another rank
-                index = opt.param_index(target)
-                pieces = [(r, pc) for r in range(world_size) for pc in opt.layout.pieces(r) if pc.index == index]
+                index = opt.gradient_path.param_index(target)
+                pieces = [(r, pc) for r in range(world_size) for pc in opt.gradient_path.layout.pieces(r) if pc.index == index]
                 r, pc = next((r, pc) for r, pc in pieces if r != rank)
                 owners.append(r)
                 element = pc.start

@@ -95,7 +95,7 @@ def _owned_grads(opt, rank: int) -> dict:
     """The averaged grads this rank can vouch for: its own ranges once a layout exists
     (after a reduce-scatter only those hold the average), else whole grads (rank 0's are used)."""
     opt.average_unreduced_grads()
-    layout = opt.layout
+    layout = opt.gradient_path.layout
     pieces, laid = {}, set()
     if layout is not None:
         for r, pcs in enumerate(layout.all_pieces()):
@@ -162,6 +162,7 @@ def _phase(rank, world_size, base: str, phase: int):
             "state": state,
             "stats": stats,
             "trainable": [p.requires_grad for p in model.parameters()],
+            "grad_reduce": opt.grad_reduce,
         }
     return out
 
@@ -246,6 +247,13 @@ def test_masters_equal_fp32_master_reference_bitwise(name):
     for phase, (per_rank, want) in enumerate(zip(chain, ref)):
         ws = PHASES[phase][0]
         got = [r[name] for r in per_rank]
+        assert got[0]["grad_reduce"] == config.grad_reduce or ws == 1
+        if config.freeze:  # the freeze really left params without grads
+            names = [n for n, _ in build_model("mlp", BF16).named_parameters()]
+            for k, step in enumerate(PHASES[phase][1]):
+                frozen = _frozen_at(config, step)
+                recorded = {i for r in per_rank for (i, _, _) in r[name]["grads"][k]}
+                assert recorded and not any(names[i].startswith(frozen) for i in recorded if frozen), (phase, step)
         for r in got[1:]:
             for i, (a, b) in enumerate(zip(r["params"], got[0]["params"])):
                 assert torch.equal(a, b), f"phase {phase} (N={ws}): param {i} differs between ranks"
@@ -331,7 +339,36 @@ def test_checkpoint_key_and_stats():
         assert sum(stats["state_bytes_per_rank"]) < adam + 4 * trainable  # masters not counted twice
 
 
-# -- single process: defaults, fp32 params, bad values, fp16 -----------------------------
+# -- single process: defaults, fp32 params, bad values, fp16, freeze -----------------------
+@pytest.mark.timeout(60)
+def test_frozen_master_survives_unless_the_param_changed():
+    """Across a freeze, an untouched param's master comes back exactly (sub-ulp part
+    included); a param changed while frozen restarts its master from its 16-bit value."""
+    from hf_zero import ZeroBucketOptimizer
+
+    model = build_model("mlp", BF16)
+    opt = ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-3)
+    _plain_loop(model, opt, 3)
+    names = [n for n, _ in model.named_parameters()]
+    kept, changed = names.index("net.0.weight"), names.index("net.2.weight")
+    before = {i: v[MASTER].clone() for i, v in opt.state_dict()["state"].items()}
+    assert not torch.equal(before[kept], model.net[0].weight.detach().float()), "masters hold nothing below bf16"
+    for layer in (model.net[0], model.net[2]):
+        layer.weight.requires_grad_(False)
+    _plain_loop(model, opt, 1)
+    with torch.no_grad():
+        model.net[2].weight[0, 0] += 1.0
+    for layer in (model.net[0], model.net[2]):
+        layer.weight.requires_grad_(True)
+    opt.refresh_trainable()
+    after = opt.state_dict()["state"]
+    _equal(after[kept][MASTER], before[kept], "master of the untouched frozen param")
+    want = before[changed].clone()
+    want[0, 0] = model.net[2].weight[0, 0].float()
+    _equal(after[changed][MASTER], want, "master of the param changed while frozen")
+
+
+
 def _plain_loop(model, opt, steps, scaler=None):
     for step in range(steps):
         loss = model(*model.batch(step, BATCH))

@@ -1,0 +1,89 @@
+"""Gradient clipping over sharded grads: each rank counts its own elements once.
+
+After a reduce-scatter a param's grad holds the average only in this rank's ranges; after
+an all-reduce it is whole everywhere. Either way each rank sums the elements of its own
+pieces and one scalar all-reduce makes the total, and scaling touches only the elements
+that hold the average.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._comm import Comm
+from ._layout import Piece
+from ._params import ParamTable
+
+_NORM_CHUNK = 1 << 14
+
+
+def _pow_sum(g: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """sum(|g|^p) of a 1-D grad in float64 without a float64 copy of it: the norms of
+    16K-element chunks in the grad's own dtype (rounding error ~1e-7, where one norm
+    over millions of float32 elements is off by ~1e-4), raised and summed in float64."""
+    if g.dtype == torch.float64:
+        return torch.linalg.vector_norm(g, norm_type).pow(norm_type)
+    full = g.numel() - g.numel() % _NORM_CHUNK
+    total = torch.zeros((), dtype=torch.float64, device=g.device)
+    if full:
+        norms = torch.linalg.vector_norm(g[:full].view(-1, _NORM_CHUNK), norm_type, dim=1, dtype=torch.float32)
+        total += norms.double().pow(norm_type).sum()
+    if full < g.numel():
+        total += torch.linalg.vector_norm(g[full:], norm_type, dtype=torch.float32).double().pow(norm_type)
+    return total
+
+
+def valid_grads(table: ParamTable, chosen: set[int], pieces: list[Piece], partial: set[int]) -> list[torch.Tensor]:
+    """The grads of these params where they hold the average: whole, or only this
+    rank's ranges (``pieces``) for the ``partial`` ones, reduce-scattered (scaling the
+    rest, which only holds this rank's own contribution, would be a wasted pass)."""
+    owned: dict[int, list[Piece]] = {}
+    if partial & chosen:
+        for pc in pieces:
+            owned.setdefault(pc.index, []).append(pc)
+    out = []
+    for i in sorted(chosen):
+        g = table.params[i].grad
+        if g is None:
+            continue
+        if i in partial and g.is_contiguous():
+            out += [g.view(-1)[pc.start : pc.stop] for pc in owned.get(i, ())]
+        else:
+            out.append(g)
+    return out
+
+
+def clip_norm(comm: Comm, table: ParamTable, chosen: set[int], pieces: list[Piece], partial: set[int], *,
+              max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the ``chosen`` params' grads, each rank
+    summing the elements of its ``pieces``. Collective (one scalar all-reduce)."""
+    params = table.params
+    grads = [
+        params[pc.index].grad.reshape(-1)[pc.start : pc.stop]
+        for pc in pieces
+        if pc.index in chosen and params[pc.index].grad is not None
+    ]
+    first = next((params[i].grad for i in sorted(chosen) if params[i].grad is not None), None)
+    dtype = first.dtype if first is not None else torch.float32
+    device = comm.device
+    if norm_type == float("inf"):
+        local = max((torch.linalg.vector_norm(g, norm_type).double().to(device) for g in grads if g.numel()), default=None)
+        total = torch.zeros((), dtype=torch.float64, device=device) if local is None else local.clone()
+        total = comm.all_reduce_(total, op="max", what="the gradient norm")
+    else:
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
+            total += _pow_sum(g, norm_type).to(device)
+        total = comm.all_reduce_(total, op="sum", what="the gradient norm").pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped. "
+            "To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`"
+        )
+    total = total.to(dtype=dtype)
+    if max_norm != float("inf"):
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in valid_grads(table, chosen, pieces, partial):
+            g.mul_(coef.to(device=g.device, dtype=g.dtype))
+    return total.to(first.device) if first is not None else total

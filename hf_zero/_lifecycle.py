@@ -1,0 +1,240 @@
+"""The optimizer state's lifecycle between steps and checkpoints.
+
+[Note: state lifecycle]
+:class:`StateLifecycle` owns every fact about the state that is not the state of the
+current partition's pieces:
+
+- *parked* holdings: state of params outside the layout (frozen: torch keeps a frozen
+  param's moments too) and loaded state not yet placed into a partition;
+- the *token*, a fresh object whenever the state values change (a step, a load), which
+  unconsolidated handles and sharded references are checked against by identity;
+- the consolidated copy (valid until the token changes);
+- the sharded reference (``state_dict()`` stands for a sharded checkpoint that holds the
+  current state) and a pending one (loaded, not yet resolved: stepping raises).
+
+Every transition is a method here; the optimizer calls :meth:`stepped` after each step
+and :meth:`adopt` after each load, and reads the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+
+from . import _sharded
+from ._comm import Comm
+from ._layout import plan_layout
+from ._masters import MASTER_KEY, needs_master
+from ._params import ParamTable
+from ._partition import piece_shape
+from ._state import Holding, Holdings, redistribute, shape_as
+from ._statedict import ShardedState
+
+
+class StateLifecycle:
+    """Parked state, the state token, consolidation and sharded references (see [Note: state lifecycle])."""
+
+    def __init__(self):
+        self._parked: Holdings = {}
+        self._token = object()
+        self._has_state = False
+        self._consolidated: dict | None = None
+        self._sharded_ref: tuple[object, dict] | None = None  # (token, info): see [Note: sharded reference]
+        self._pending_ref: dict | None = None
+
+    # -- transitions ---------------------------------------------------------------------
+    def stepped(self) -> None:
+        """The state values changed in a step: consolidated copies and references are stale."""
+        self._has_state = True
+        self._consolidated = None
+        self._token = object()
+
+    def adopt(self, held: Holdings | None, *, has_state: bool = False) -> None:
+        """A load: ``held`` (this rank's loaded state, parked until the next rebuild places
+        it) replaces all state; None keeps the current state (its own sharded handle)."""
+        self._pending_ref = None
+        if held is None:
+            return
+        self._parked = held
+        self._has_state = has_state
+        self._consolidated = None
+        self._token = object()
+
+    def park(self, held: Holdings) -> None:
+        """After a rebuild: the state of params outside the new layout."""
+        self._parked = held
+
+    def consolidated(self, state: dict | None) -> None:
+        self._consolidated = state
+
+    def refer(self, path: str | os.PathLike, info: dict) -> None:
+        token = _sharded.token_at(path)
+        if token is None:
+            raise ValueError(f"hf_zero: {os.fspath(path)!r} holds no committed sharded optimizer checkpoint")
+        self._sharded_ref = (self._token, {"path": os.path.abspath(path), "token": token, **info})
+
+    def expect_reference(self, ref: dict) -> None:
+        """``load_state_dict`` got a reference: pending, unless it stands for the state held now."""
+        current = self._sharded_ref
+        held_now = current is not None and current[0] is self._token and current[1]["token"] == ref["token"]
+        self._pending_ref = None if held_now else ref
+
+    # -- facts ---------------------------------------------------------------------------
+    @property
+    def parked(self) -> Holdings:
+        return self._parked
+
+    @property
+    def pending(self) -> dict | None:
+        return self._pending_ref
+
+    def holds_own_handle(self, handle: ShardedState) -> bool:
+        return handle.token is self._token
+
+    def check_pending(self) -> None:
+        """Raise if a loaded reference was never resolved: its state would be lost silently."""
+        ref = self._pending_ref
+        if ref is not None:
+            raise RuntimeError(
+                f"hf_zero: load_state_dict() was given a reference to the sharded optimizer checkpoint saved in "
+                f"{ref['path']!r} (token {ref['token']}), which was not loaded yet: call "
+                "optimizer.load_sharded(DIR) on all ranks with that checkpoint's directory first "
+                "(ZeroBucketCallback and prepare_accelerator do it when resuming)"
+            )
+
+    def state(self, world_size: int, consolidate: Callable[[], None]) -> Any:
+        """What ``state_dict()["state"]`` is now: a reference, the consolidated state, or
+        a :class:`ShardedState` handle (``consolidate`` is called on one rank, never a collective)."""
+        ref = self._pending_ref
+        if ref is None and self._sharded_ref is not None and self._consolidated is None:
+            token, info = self._sharded_ref
+            ref = info if token is self._token else None
+        if ref is not None:
+            return _sharded.reference(ref)
+        if self._consolidated is None:
+            if world_size == 1:
+                consolidate()
+            elif self._has_state:
+                return ShardedState(self._token, world_size)
+        return dict(self._consolidated or {})
+
+
+# -- moving state for checkpoints ------------------------------------------------------
+def consolidate(comm: Comm, table: ParamTable, held: Holdings, to: int, device: torch.device | None) -> dict | None:
+    """Gather every param's whole state on rank ``to`` (None elsewhere). Collective."""
+    numels = table.numels()
+    got = redistribute(
+        comm,
+        held,
+        lambda indices: {i: [(to, 0, numels[i])] for i in indices},
+        numels=numels,
+        device_of=lambda i: device or table.params[i].device,
+        names=table.label,
+        piece_shape=lambda i, start, stop: tuple(table.params[i].shape),
+        reuse_own=True,  # see [Note: reused holdings]
+    )
+    if comm.rank != to:
+        return None
+    return {i: shape_as(hs[0], table.params[i].shape) for i, hs in sorted(got.items())}
+
+
+def place(comm: Comm, table: ParamTable, shard: str, param_groups: list[dict],
+          read: Callable[[int, int, int, tuple], dict | None], *, masters: bool = False) -> Holdings:
+    """This rank's holdings after a load, ``read(i, start, stop, piece_shape)`` giving
+    the state of each: its pieces of the layout the next step builds, plus the whole
+    state of params outside the layout (frozen), parked on rank ``i % world size``.
+    ``masters``: 16-bit params keep fp32 state and their ``"master_param"``."""
+    rank, ws = comm.rank, comm.world_size
+    layout = plan_layout(table.specs(), world_size=ws, shard=shard)
+    targets = [(pc.index, pc.start, pc.stop, piece_shape(table, shard, pc.index, pc.start, pc.stop))
+               for pc in layout.pieces(rank)]
+    slotted = layout.slots()
+    targets += [(i, 0, p.numel(), tuple(p.shape)) for i, p in enumerate(table.params)
+                if i not in slotted and i % ws == rank]
+    held: Holdings = {}
+    for i, start, stop, shape in targets:
+        st = read(i, start, stop, shape)
+        if st is not None:
+            group = param_groups[table.group_of[i]]
+            st = _cast(st, table.params[i], group, master=needs_master(masters, table.params[i]))
+            held.setdefault(i, []).append(Holding(start, stop, shape, st))
+    return held
+
+
+def _cast(state: dict, p: torch.Tensor, group: dict, *, master: bool = False) -> dict:
+    """Copy loaded values to the param's device and dtype, as torch's load_state_dict does;
+    ``master``: stepped through an fp32 master, so float32 (a master is dropped without one)."""
+    out = {}
+    dtype = torch.float32 if master else p.dtype
+    for k, v in state.items():
+        if k == MASTER_KEY and not master:
+            continue
+        if not isinstance(v, torch.Tensor):
+            out[k] = v
+        elif k == "step":
+            if group.get("capturable") or group.get("fused"):
+                out[k] = v.to(dtype=torch.float32, device=p.device, copy=True)
+            else:
+                out[k] = v.clone()
+        elif p.is_floating_point():
+            out[k] = v.to(dtype=dtype, device=p.device, copy=True)
+        else:
+            out[k] = v.to(device=p.device, copy=True)
+    return out
+
+
+def sharded_record(table: ParamTable, *, optimizer_class: str, shard: str, world_size: int,
+                   bucket_view: bool, param_groups: list[dict]) -> dict:
+    """The commit record of a sharded checkpoint (see :mod:`hf_zero._sharded`)."""
+    return {
+        "optimizer_class": optimizer_class,
+        "shard": shard,
+        "world_size": world_size,
+        "parameters_as_bucket_view": bucket_view,
+        "torch_version": torch.__version__,
+        "params": [
+            {
+                "name": table.names[i],
+                "shape": list(p.shape),
+                "dtype": str(p.dtype).removeprefix("torch."),
+                "group": table.group_of[i],
+                "trainable": bool(p.requires_grad),
+            }
+            for i, p in enumerate(table.params)
+        ],
+        "param_groups": param_groups,
+    }
+
+
+def find_pending(comm: Comm, ref: dict | None, candidates: list[str]) -> str | None:
+    """The directory among ``candidates`` (then the path recorded at save time) holding
+    the pending reference's checkpoint, agreed on every rank (None: nothing pending).
+    Collective; raises on every rank when no rank-wide agreed one holds it."""
+    looked = list(dict.fromkeys([os.path.abspath(c) for c in candidates] + ([ref["path"]] if ref else [])))
+    found = None if ref is None else next((c for c in looked if _sharded.token_at(c) == ref["token"]), None)
+    everyone = comm.all_gather_object((ref is not None, found))
+    if not any(pending for pending, _ in everyone):
+        return None
+    if any(f is None for _, f in everyone) or len({f for _, f in everyone}) > 1:
+        per_rank = "; ".join(f"rank {r}: {f or 'none'}" for r, (_, f) in enumerate(everyone))
+        raise RuntimeError(
+            f"hf_zero: cannot find the sharded optimizer checkpoint the loaded state dict refers to "
+            f"(token {ref['token'] if ref else '?'}, saved in {ref['path'] if ref else '?'!r}); looked in "
+            f"{looked} (found: {per_rank}). Every rank must see that directory; load it with "
+            "optimizer.load_sharded(DIR) on all ranks."
+        )
+    return found
+
+
+def agreed_token(comm: Comm, path: str | os.PathLike) -> str | None:
+    """The commit token of the sharded checkpoint in ``path`` (None: none), the same on
+    every rank or an error on every rank. Collective."""
+    tokens = comm.all_gather_object(_sharded.token_at(path))
+    if len(set(tokens)) > 1:
+        raise RuntimeError(
+            f"hf_zero: ranks see different sharded optimizer checkpoints in {os.fspath(path)!r} (commit tokens "
+            f"per rank: {tokens}); all ranks must see the same directory"
+        )
+    return tokens[0]

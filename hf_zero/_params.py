@@ -1,0 +1,135 @@
+"""The optimizer's params as one table: order, names, groups, labels, specs, trainability.
+
+A :class:`ParamTable` is built from the param groups and never changes; adding a param
+group makes a new table. Everything that numbers params (state dicts, layouts, sharded
+checkpoints, the gradient path) numbers them the way this table does: in param-group order.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from ._comm import fingerprint
+from ._layout import ParamSpec
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def check_params(param_groups: list[dict]) -> None:
+    """Reject what torch.optim accepts but sharding cannot handle, naming the param."""
+    seen = set()
+    for gi, group in enumerate(param_groups):
+        names = group.get("param_names") or [None] * len(group["params"])
+        if not group["params"]:
+            raise ValueError(f"param group {gi} is empty")
+        for k, (p, name) in enumerate(zip(group["params"], names)):
+            label = f"param {name or k} of group {gi} (shape {tuple(p.shape)})"
+            if _is_dtensor(p):
+                raise ValueError(
+                    f"{label} is a DTensor (tensor parallelism / FSDP2): ZeroBucketOptimizer shards plain "
+                    "replicated params only; use torch's FSDP2 optimizer setup or plain (non-DTensor) params"
+                )
+            if p.layout != torch.strided:
+                raise ValueError(f"{label} is {p.layout}: only dense (strided) params can be sharded")
+            if not (p.is_floating_point() or p.is_complex()):
+                raise ValueError(f"{label} has dtype {p.dtype}: only floating point params can be optimized")
+            if id(p) in seen:
+                raise ValueError(f"{label} appears twice: list each param once")
+            seen.add(id(p))
+
+
+class ParamTable:
+    """Every param of the optimizer, in param-group order, with its name and group."""
+
+    def __init__(self, param_groups: Sequence[dict]):
+        self.params: tuple[torch.Tensor, ...] = tuple(p for g in param_groups for p in g["params"])
+        self.names: tuple[str | None, ...] = tuple(
+            n for g in param_groups for n in g.get("param_names", [None] * len(g["params"]))
+        )
+        self.group_of: tuple[int, ...] = tuple(gi for gi, g in enumerate(param_groups) for _ in g["params"])
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def index(self, param: torch.Tensor) -> int | None:
+        """``param``'s index, or None when it is not one of the table's params."""
+        return self._index_of.get(id(param))
+
+    def label(self, i: int) -> str:
+        """How errors name param ``i``: its name (or ``#i``), group and shape."""
+        return f"{self.names[i] or f'#{i}'} (group {self.group_of[i]}, shape {tuple(self.params[i].shape)})"
+
+    def checkpoint_labels(self) -> list[str]:
+        """Unique per-param keys of a sharded checkpoint: names when unique, else ``name#i``."""
+        unique = len(set(self.names)) == len(self.names)
+        return [n if n is not None and unique else f"#{i}" if n is None else f"{n}#{i}" for i, n in enumerate(self.names)]
+
+    def mask(self) -> tuple[bool, ...]:
+        """Which params are trainable now."""
+        return tuple(p.requires_grad for p in self.params)
+
+    def numels(self) -> dict[int, int]:
+        return {i: p.numel() for i, p in enumerate(self.params)}
+
+    def specs(self) -> list[ParamSpec]:
+        return [
+            ParamSpec(p.numel(), p.dtype, str(p.device), p.requires_grad, self.group_of[i])
+            for i, p in enumerate(self.params)
+        ]
+
+    def check_materialized(self) -> None:
+        """Raise, naming it, when a trainable param is still on the meta device."""
+        for i, p in enumerate(self.params):
+            if p.requires_grad and p.device.type == "meta":
+                raise ValueError(
+                    f"param {self.label(i)} is on the meta device at step time: materialize the "
+                    "model (e.g. model.to_empty(device=...) and load weights) before stepping"
+                )
+
+    def selected(self, parameters: Iterable[torch.Tensor] | torch.Tensor | None, what: str) -> set[int]:
+        """Indices of the trainable params among ``parameters`` (None: all of them)."""
+        if parameters is None:
+            return {i for i, p in enumerate(self.params) if p.requires_grad}
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        chosen = set()
+        for p in parameters:
+            i = self.index(p)
+            if i is None:
+                raise ValueError(f"{what}: a param of shape {tuple(p.shape)} is not one of this optimizer's params")
+            if p.requires_grad:
+                chosen.add(i)
+        return chosen
+
+    # -- agreement across ranks ------------------------------------------------------
+    def agreement_items(self, mask: tuple[bool, ...]) -> list:
+        """What every rank must hold alike: each param's shape, dtype, device type, trainability."""
+        return [(tuple(p.shape), str(p.dtype), p.device.type, m) for p, m in zip(self.params, mask)]
+
+    def fingerprint(self, mask: tuple[bool, ...]) -> int:
+        return fingerprint(self.agreement_items(mask))
+
+    def disagreement(self, everyone: list[list]) -> RuntimeError:
+        """The error naming the first param the ranks' :meth:`agreement_items` differ on."""
+        fields = ("shape", "dtype", "device", "requires_grad")
+        for i in range(max(len(e) for e in everyone)):
+            seen = [e[i] if i < len(e) else None for e in everyone]
+            if any(s != seen[0] for s in seen):
+                per_rank = "; ".join(
+                    f"rank {r}: " + ("missing" if s is None else ", ".join(f"{f}={v}" for f, v in zip(fields, s)))
+                    for r, s in enumerate(seen)
+                )
+                return RuntimeError(
+                    f"hf_zero: ranks disagree on parameter {self.label(i)}: {per_rank}. Every rank must "
+                    "freeze/unfreeze the same params and keep the same shapes, dtypes and devices."
+                )
+        return RuntimeError("hf_zero: ranks disagree on the parameter layout")

@@ -1,0 +1,270 @@
+"""A Partition: what this rank holds for one layout, immutable once built.
+
+[Note: partition]
+A :class:`Partition` is the layout plus everything built from it on this rank: the flat
+buffers (params are views into them with ``parameters_as_bucket_view``), the data pointer
+each trainable param had when it was built (to notice storage replaced behind our back),
+this rank's pieces and the local optimizer stepping them. Nothing of it is reassigned
+after :meth:`Partition.build`; a trainability change, a new DDP bucket structure or a load
+makes a new Partition with :func:`rebuild`, and the old one is dropped whole.
+
+The local optimizer steps each piece's ``tensor``: the piece of the param itself (a view
+of its buffer), or, for a 16-bit param with master weights, the piece's fp32 master
+(``LocalPiece.tensor`` distinct from ``LocalPiece.view``), which the step rounds back
+into ``view`` (see [Note: master weights] in _masters.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+
+from ._comm import Comm
+from ._layout import Layout, Piece
+from ._masters import MASTER_KEY, Master, needs_master, split_saved
+from ._params import ParamTable
+from ._state import Holding, Holdings, Kind, kind_of, redistribute, shape_as
+
+NOT_HYPER = ("params", "param_names")
+
+
+@dataclass(frozen=True)
+class LocalPiece:
+    """A piece this rank owns: the local optimizer steps ``tensor``; ``view`` is the
+    piece of ``param`` (in its buffer) that the parameter sync sends."""
+
+    tensor: torch.Tensor
+    view: torch.Tensor
+    param: torch.Tensor
+    piece: Piece
+    master: Master | None = None  # its ``tensor`` is ``tensor``
+
+
+def hyperparams(group: Mapping) -> dict:
+    return {k: v for k, v in group.items() if k not in NOT_HYPER}
+
+
+class Partition:
+    """This rank's buffers, pieces and local optimizer for one layout (see [Note: partition])."""
+
+    def __init__(self, *, layout: Layout, mask: tuple[bool, ...], shard: str, bucket_view: bool,
+                 buffers: tuple[torch.Tensor, ...], ptrs: Mapping[int, int], pieces: tuple[LocalPiece, ...],
+                 inner: torch.optim.Optimizer | None):
+        self.layout = layout
+        self.mask = mask
+        self.shard = shard
+        self.bucket_view = bucket_view
+        self.buffers = buffers
+        self.ptrs = MappingProxyType(dict(ptrs))
+        self.pieces = pieces
+        self.inner = inner
+
+    @classmethod
+    def build(cls, table: ParamTable, layout: Layout, held: Holdings, *, rank: int, optimizer_class: type,
+              param_groups: list[dict], bucket_view: bool, previous: "Partition | None",
+              masters: bool = False) -> "Partition":
+        """Lay the buffers out, make params views of them (``bucket_view``), and build the
+        local optimizer over this rank's pieces with the state in ``held`` (one group per
+        param group, empty where this rank owns nothing of it, so every rank's local
+        optimizer sees the same hyperparameters). ``masters``: 16-bit pieces are stepped
+        through fp32 masters, from the held ``"master_param"`` where there is one."""
+        params = table.params
+        if bucket_view and previous is not None:
+            old = set(previous.ptrs.values())
+            for p in params:  # frozen now: give it back storage of its own
+                if not p.requires_grad and p.data_ptr() in old:
+                    p.data = p.data.clone()
+        buffers, ptrs = [], {}
+        for plan in layout.buffers:
+            buf = torch.zeros(plan.size, dtype=plan.dtype, device=torch.device(plan.device))
+            for slot in plan.slots:
+                p = params[slot.index]
+                view = buf[slot.offset : slot.offset + slot.numel]
+                view.copy_(p.data.reshape(-1))
+                if bucket_view:
+                    p.data = view.view(p.shape)
+                elif not p.data.is_contiguous():
+                    p.data = p.data.contiguous()
+                ptrs[slot.index] = p.data_ptr()
+            buffers.append(buf)
+        by_group: list[list[torch.Tensor]] = [[] for _ in param_groups]
+        pieces, placed = [], []
+        for pc in layout.pieces(rank):
+            p = params[pc.index]
+            t = p.data.view(-1)[pc.start : pc.stop]
+            if layout.shard == "param":
+                t = t.view(p.shape)
+            state = next((shape_as(h, t.shape) for h in held.get(pc.index, ())
+                          if h.start == pc.start and h.stop == pc.stop), {})
+            state, saved = split_saved(state)  # a master without a 16-bit param to step is dropped
+            master = Master(t, saved) if needs_master(masters, p) else None
+            lp = LocalPiece(t, t, p, pc) if master is None else LocalPiece(master.tensor, t, p, pc, master)
+            pieces.append(lp)
+            by_group[table.group_of[pc.index]].append(lp.tensor)
+            if state:
+                placed.append((lp.tensor, _placed(state, lp.tensor)))
+        inner = optimizer_class([{**hyperparams(g), "params": ps} for g, ps in zip(param_groups, by_group)])
+        for t, st in placed:
+            inner.state[t] = st
+        return cls(layout=layout, mask=table.mask(), shard=layout.shard, bucket_view=bucket_view,
+                   buffers=tuple(buffers), ptrs=ptrs, pieces=tuple(pieces), inner=inner)
+
+    def emptied(self) -> "Partition":
+        """The same buffers and views, without pieces or state (after a load replaced the state)."""
+        return Partition(layout=self.layout, mask=self.mask, shard=self.shard, bucket_view=self.bucket_view,
+                         buffers=self.buffers, ptrs=self.ptrs, pieces=(), inner=None)
+
+    # -- facts -------------------------------------------------------------------------
+    def views_intact(self, params: tuple[torch.Tensor, ...]) -> bool:
+        """Whether every trainable param still has the storage this partition gave it."""
+        return all(params[i].data_ptr() == ptr for i, ptr in self.ptrs.items())
+
+    def owned(self) -> list[Piece]:
+        return [lp.piece for lp in self.pieces]
+
+    def holdings(self) -> Holdings:
+        """The state of this rank's pieces, as holdings (see [Note: piece state] in _state.py)."""
+        held: Holdings = {}
+        if self.inner is None:
+            return held
+        for lp in self.pieces:
+            st = dict(self.inner.state.get(lp.tensor, {}))
+            if lp.master is not None and lp.master.stepped:
+                st[MASTER_KEY] = lp.master.tensor
+            if st:
+                pc = lp.piece
+                held.setdefault(pc.index, []).append(Holding(pc.start, pc.stop, tuple(lp.tensor.shape), st))
+        return held
+
+    def master_bytes(self) -> int:
+        """Bytes of the fp32 masters of this rank's pieces."""
+        return sum(lp.master.nbytes for lp in self.pieces if lp.master is not None)
+
+    def bucket_bounds(self, composition: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Rank bounds of the buffer mirroring the DDP bucket of these params, or None."""
+        for k, bucket in enumerate(self.layout.buckets):
+            if bucket == composition:
+                b = self.layout.bucket_buffer(k)
+                return None if b is None else self.layout.buffers[b].bounds
+        return None
+
+    # -- the step ----------------------------------------------------------------------
+    def step(self, param_groups: list[dict], kwargs: dict) -> Any:
+        """Step this rank's pieces with the matching slices of their params' grads.
+        Hyperparameters are copied in before and back after (the local optimizer may
+        change its own, as with torch's ZeroRedundancyOptimizer)."""
+        for inner_group, group in zip(self.inner.param_groups, param_groups):
+            inner_group.update(hyperparams(group))
+        flat = self.shard == "flat"
+        for lp in self.pieces:
+            g = lp.param.grad
+            if g is not None and flat:
+                g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
+            if lp.master is not None:
+                lp.master.set_grad(g)
+            else:
+                lp.tensor.grad = g
+        try:
+            loss = self.inner.step(**kwargs)
+            for lp in self.pieces:
+                if lp.master is not None and lp.tensor.grad is not None:
+                    lp.master.write_back()
+        finally:
+            for lp in self.pieces:
+                lp.tensor.grad = None
+        for inner_group, group in zip(self.inner.param_groups, param_groups):
+            group.update(hyperparams(inner_group))
+        return loss
+
+    def sync(self, comm: Comm, params: tuple[torch.Tensor, ...], overlap) -> None:
+        """Send this rank's ranges of every buffer to the other ranks. With ``overlap``
+        (a ParamSyncOverlap, bucket views only) the collectives are launched and each
+        module's forward waits for its own buffers."""
+        if comm.world_size == 1:
+            return
+        plans = self.layout.buffers
+        if overlap is not None and self.bucket_view:
+            # In the order the next forward needs them (the params' order, which models
+            # register as they run), not DDP's backward order: the first layers wait least.
+            # The same order on every rank: it depends only on the agreed layout.
+            first = [min((slot.index for slot in plan.slots), default=len(params)) for plan in plans]
+            pending = {
+                b: comm.sync_buffer(self.buffers[b], plans[b].bounds, async_op=True)
+                for b in sorted(range(len(plans)), key=lambda b: (first[b], b))
+            }
+            overlap.launch(pending, {id(params[i]): b for i, (b, _) in self.layout.slots().items()})
+            return
+        for b, plan in enumerate(plans):
+            buf = self.buffers[b]
+            if not self.bucket_view:
+                for lp in self.pieces:
+                    pc = lp.piece
+                    if pc.buffer == b:
+                        buf[pc.offset : pc.offset + pc.numel].copy_(lp.view.reshape(-1))
+            comm.sync_buffer(buf, plan.bounds)
+            if not self.bucket_view:
+                # This rank's own range is already in the params: its pieces are views of them.
+                lo, hi = plan.range_of(comm.rank)
+                for slot in plan.slots:
+                    flat = params[slot.index].data.view(-1)
+                    start, stop = slot.offset, slot.offset + slot.numel
+                    for a, z in ((start, min(stop, lo)), (max(start, hi), stop)):
+                        if a < z:
+                            flat[a - start : z - start].copy_(buf[a:z])
+
+
+def _placed(state: dict, tensor: torch.Tensor) -> dict:
+    """Held state as the local optimizer's state of ``tensor``: on its device, floating
+    values in its dtype (float32 for a master, whatever the state was saved in)."""
+    out = {}
+    for k, v in state.items():
+        if kind_of(v, tensor.shape) in (Kind.ELEMENTWISE, Kind.BLOB):
+            v = v.to(device=tensor.device, dtype=tensor.dtype if v.is_floating_point() and tensor.is_floating_point()
+                     else v.dtype)
+        out[k] = v
+    return out
+
+
+def piece_shape(table: ParamTable, shard: str, i: int, start: int, stop: int) -> tuple[int, ...]:
+    """The shape the local optimizer steps elements ``start:stop`` of param ``i`` as."""
+    return tuple(table.params[i].shape) if shard == "param" else (stop - start,)
+
+
+def rebuild(previous: Partition | None, parked: Holdings, table: ParamTable, layout: Layout, comm: Comm, *,
+            moved: bool, optimizer_class: type, param_groups: list[dict],
+            bucket_view: bool, masters: bool = False) -> tuple[Partition, Holdings]:
+    """The Partition for ``layout``, built from ``previous`` and the ``parked`` state
+    (frozen or loaded, not yet placed). Collective. Returns it and the state that stays
+    parked (that of params outside the layout). ``moved``: whether state may have to
+    change hands (else, with an unchanged layout, every rank keeps what it holds)."""
+    held: Holdings = {i: list(hs) for i, hs in parked.items()}
+    if previous is not None:
+        for i, hs in previous.holdings().items():
+            held.setdefault(i, []).extend(hs)
+    for hs in held.values():
+        hs.sort(key=lambda h: h.start)
+    trainable = {i for i, p in enumerate(table.params) if p.requires_grad}
+    if not moved and previous is not None and layout == previous.layout and not trainable & set(parked):
+        new_held = {i: hs for i, hs in held.items() if i in trainable}
+    else:
+        targets: dict[int, list[tuple[int, int, int]]] = {}
+        for r, pcs in enumerate(layout.all_pieces()):
+            for pc in pcs:
+                targets.setdefault(pc.index, []).append((r, pc.start, pc.stop))
+        new_held = redistribute(
+            comm,
+            held,
+            targets,
+            numels=table.numels(),
+            device_of=lambda i: table.params[i].device,
+            names=table.label,
+            piece_shape=lambda i, start, stop: piece_shape(table, layout.shard, i, start, stop),
+        )
+    still_parked = {i: hs for i, hs in held.items() if i not in trainable}
+    partition = Partition.build(table, layout, new_held, rank=comm.rank, optimizer_class=optimizer_class,
+                                param_groups=param_groups, bucket_view=bucket_view, previous=previous,
+                                masters=masters)
+    return partition, still_parked
