@@ -5,7 +5,8 @@ A sharded checkpoint is a directory holding
 
 - ``hf_zero_optimizer.json``: the commit record (JSON): optimizer class, shard
   mode, world size, every param's name, shape, dtype, group and trainability, the
-  param groups' hyperparameters and, per file, its size and the state pieces in it;
+  param groups' hyperparameters and, per file, its size, its SHA-256 (checked
+  when a load first opens the file) and the state pieces in it;
 - ``shard-<token>-rank<r>-of-<n>.safetensors``: the state rank ``r`` held, as
   tensors named ``<param name>/<state key>/<start>-<stop>`` (element range of the
   param), with no gather.
@@ -40,6 +41,7 @@ This module knows nothing of the optimizer: it writes and reads holdings (see
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -162,7 +164,8 @@ def write(comm: Comm, path: str | os.PathLike, held: Holdings, labels: list[str]
         tensors, entries = _pack(held, labels)
         target = os.path.join(path, fname)
         write_atomic(target, lambda tmp: save_file(tensors, tmp, metadata={"format": _FORMAT}))
-        meta = {"rank": rank, "file": fname, "bytes": os.path.getsize(target), "holdings": entries}
+        meta = {"rank": rank, "file": fname, "bytes": os.path.getsize(target), "sha256": file_sha256(target),
+                "holdings": entries}
     except Exception as e:  # every rank must reach the exchange below
         err = f"rank {rank}: {type(e).__name__}: {e}"
     metas = comm.all_gather_object((err, meta))
@@ -183,6 +186,15 @@ def write(comm: Comm, path: str | os.PathLike, held: Holdings, labels: list[str]
     if errors:
         raise RuntimeError("hf_zero: save_sharded could not commit the checkpoint:\n  " + "\n  ".join(errors))
     return token
+
+
+def file_sha256(path: str) -> str:
+    """The SHA-256 of the file at ``path``, as hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _write_text(path: str, text: str) -> None:
@@ -232,6 +244,9 @@ class Checkpoint:
         self.record = record
         self.params = record["params"]
         self.pieces: dict[int, list[_Piece]] = {}
+        # Checkpoints written before hashes were recorded carry no "sha256": they
+        # load with the size check only.
+        self._sha256 = {f["file"]: f.get("sha256") for f in record["files"]}
         for f in record["files"]:
             full = os.path.join(self.path, f["file"])
             size = os.path.getsize(full) if os.path.isfile(full) else None
@@ -260,6 +275,14 @@ class Checkpoint:
     def _open(self, file: str):
         if file not in self._files:
             from safetensors import safe_open
+
+            expected = self._sha256.get(file)
+            full = os.path.join(self.path, file)
+            if expected is not None and file_sha256(full) != expected:
+                raise ValueError(
+                    f"hf_zero: checkpoint file {full!r} does not match its commit record (SHA-256 differs): "
+                    "it is corrupt or was changed after the save"
+                )
 
             self._files[file] = self._stack.enter_context(
                 safe_open(os.path.join(self.path, file), framework="pt", device="cpu")

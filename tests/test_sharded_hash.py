@@ -1,0 +1,78 @@
+"""Sharded checkpoints record a SHA-256 per file: a same-size corruption is refused, naming the file."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import hf_zero
+from hf_zero import _offline
+from hf_zero.cli import main
+
+
+def _checkpoint(directory):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    opt.save_sharded(directory)
+    return model, opt
+
+
+def _flip_last_byte(path):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size - 1)
+        b = f.read(1)
+        f.seek(size - 1)
+        f.write(bytes([b[0] ^ 0x01]))
+    assert os.path.getsize(path) == size
+
+
+@pytest.mark.reliability("Sharded checkpoint: one byte of a shard file flipped, same size",
+                         "load_sharded and consolidate refuse it, naming the file")
+def test_same_size_corruption_is_refused_naming_the_file(tmp_path, capsys):
+    directory = str(tmp_path / "ck")
+    model, _ = _checkpoint(directory)
+    (shard,) = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+    with open(os.path.join(directory, "hf_zero_optimizer.json")) as f:
+        (entry,) = json.load(f)["files"]
+    assert len(entry["sha256"]) == 64
+    _flip_last_byte(os.path.join(directory, shard))  # the last byte is tensor data: safetensors alone would accept it
+
+    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW)
+    with pytest.raises(ValueError, match=f"{shard}.*SHA-256"):
+        opt.load_sharded(directory)
+    with pytest.raises(ValueError, match=f"{shard}.*SHA-256"):
+        _offline.consolidate_checkpoint(directory)
+    assert main(["consolidate", directory, str(tmp_path / "out.pt")]) == 2
+    assert shard in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out.pt")
+
+
+@pytest.mark.reliability("Sharded checkpoint written before hashes were recorded (no sha256 field)",
+                         "still loads, with the size check only, equal to the saved state")
+def test_checkpoint_without_hashes_still_loads(tmp_path):
+    directory = str(tmp_path / "ck")
+    model, saved = _checkpoint(directory)
+    record_path = os.path.join(directory, "hf_zero_optimizer.json")
+    with open(record_path) as f:
+        record = json.load(f)
+    for entry in record["files"]:
+        del entry["sha256"]
+    with open(record_path, "w") as f:
+        json.dump(record, f)
+
+    plain = _offline.consolidate_checkpoint(directory)
+    expected = saved.state_dict()["state"]
+    assert set(plain["state"]) == set(expected)
+    for i, st in expected.items():
+        for key, v in st.items():
+            assert torch.equal(plain["state"][i][key], v), (i, key)
+    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW)
+    opt.load_sharded(directory)
+    for i, st in opt.state_dict()["state"].items():
+        for key, v in st.items():
+            assert torch.equal(v, expected[i][key]), (i, key)
