@@ -77,7 +77,7 @@ def main():
         opt.zero_grad()
     if end.die_rank is not None:
         _KEPT_ALIVE.append(opt)  # alive at exit: hf_zero's at-exit drain meets the sync waiting for the dead peer
-        print(f"rank {rank} done", flush=True)
+        print(f"rank {rank} done at {time.time()}", flush=True)
         return
     if end.end == "destroy":
         if end.optimizer.startswith("zero"):
