@@ -210,13 +210,30 @@ def _check_parallel(args) -> None:
 
 
 def register() -> None:
-    """Register ``optim="zero_bucket"`` and the default callback. Idempotent."""
-    _compat.add_optimizer_name(OPTIM_NAME, member_name=OPTIM_MEMBER)
-    _compat.register_optimizer(OPTIM_NAME, _handler)
-    _compat.watch_trainer(transformers.Trainer)
-    _compat.before_optimizer_save(transformers.Trainer, _before_optimizer_save)
-    if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
-        transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
+    """Register ``optim="zero_bucket"`` and the default callback. Idempotent.
+
+    All or nothing: when a step fails, what this call added (the name, the handler, the
+    callback) is removed again before the error propagates, so a Trainer never sees
+    ``zero_bucket`` without its handler. (The method wrappers of ``watch_trainer`` /
+    ``before_optimizer_save`` may stay: they change nothing for other optimizers.)"""
+    from transformers.training_args import OptimizerNames
+
+    undo = []
+    try:
+        if OPTIM_NAME not in OptimizerNames._value2member_map_:
+            _compat.add_optimizer_name(OPTIM_NAME, member_name=OPTIM_MEMBER)
+            undo.append(lambda: _compat.remove_optimizer_name(OPTIM_NAME))
+        if not _compat.optimizer_registered(OPTIM_NAME):
+            undo.append(lambda: _compat.unregister_optimizer(OPTIM_NAME))
+            _compat.register_optimizer(OPTIM_NAME, _handler)
+        _compat.watch_trainer(transformers.Trainer)
+        _compat.before_optimizer_save(transformers.Trainer, _before_optimizer_save)
+        if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
+            transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
 
 
 # optimizer -> the Trainer whose create_optimizer built it (weakly)
