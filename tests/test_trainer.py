@@ -130,7 +130,8 @@ def test_optim_args_pick_inner_optimizer_and_match_it(tmp_path, optim_args, inne
     "optim_args, message",
     [
         ("inner=adamx", r"inner='adamx' is not supported; choose one of \['adafactor', 'adam', 'adamw'"),
-        ("inner=adamw,momentum=0.9", r"unknown key\(s\) \['momentum'\].*valid keys: \['inner', 'shard', 'bucket_view', 'sharded_checkpoints', 'grad_reduce', 'overlap', 'amsgrad'\]"),
+        ("inner=adamw,momentum=0.9", r"unknown key\(s\) \['momentum'\].*valid keys: \['inner', 'shard', 'bucket_view', 'sharded_checkpoints', 'grad_reduce', 'overlap', 'master_weights', 'amsgrad'\]"),
+        ("master_weights=maybe", r"master_weights='maybe' is not valid; choose one of \['auto', 'true', 'false'\]"),
         ("grad_reduce=scatter", r"grad_reduce='scatter' is not valid; choose one of \['reduce_scatter', 'all_reduce'\]"),
         ("overlap=sometimes", r"overlap='sometimes' is not a boolean"),
             ("sharded_checkpoints=maybe", r"sharded_checkpoints='maybe' is not a boolean"),
@@ -512,3 +513,23 @@ def test_saves_decided_after_evaluation_write_what_adamw_torch_writes(tmp_path):
                     torch.testing.assert_close(got["state"][j][k], want["state"][j][k], rtol=0, atol=1e-12)
     # The callback saved after every evaluation (steps 3 and 6, and the last step: Trainer evaluates there).
     assert _checkpoints(tmp_path / "callback-adamw_torch") == ["checkpoint-3", "checkpoint-6", "checkpoint-7"]
+
+
+def test_master_weights_option_is_parsed_and_passed_only_when_given():
+    assert "master_weights" not in hf_tr.parse_optim_args({})
+    for raw, want in (("auto", "auto"), ("true", True), ("FALSE", False)):
+        assert hf_tr.parse_optim_args({"master_weights": raw})["master_weights"] == want
+    with pytest.raises(ValueError, match=r"optim_args: master_weights='1' is not valid"):
+        hf_tr.parse_optim_args({"master_weights": "1"})
+
+
+@pytest.mark.reliability("Trainer fp16=True with a model whose params are float16",
+                         "`ValueError` at optimizer creation: GradScaler cannot unscale float16 grads")
+def test_fp16_mixed_precision_on_float16_params_is_refused(tmp_path):
+    model = tiny_bert().half()
+    trainer = Trainer(model=model, args=_args(tmp_path, optim="zero_bucket", fp16=True))
+    with pytest.raises(ValueError, match=r"fp16=True with float16 params .*GradScaler cannot unscale float16 gradients"):
+        trainer.create_optimizer()
+    # float32 params under fp16 mixed precision are what fp16=True is for.
+    assert isinstance(Trainer(model=tiny_bert().float(), args=_args(tmp_path, optim="zero_bucket", fp16=True))
+                      .create_optimizer(), hf_zero.ZeroBucketOptimizer)
