@@ -9,6 +9,7 @@ log history to ``<output_dir>/log_history.json``; each rank destroys the process
 then writes ``done-<rank>`` last.
 """
 
+import gc
 import json
 import os
 import sys
@@ -47,9 +48,15 @@ def main() -> None:
             json.dump(trainer.state.log_history, f)
     # End as a well-behaved script does (Accelerate's end_training(), trl's trainer.end()):
     # without it gloo's own teardown can abort at exit with any optimizer (docs/gradient_path.md).
+    # DDP goes first: dropped after the group was destroyed, its reducer frees the last
+    # reference to the gloo group on the main thread, whose worker threads may then wait for
+    # the GIL held there (seen: a hang at exit with adamw_torch, 1 run in a few).
+    process_index, output_dir = training_args.process_index, training_args.output_dir
+    del trainer, model
+    gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    with open(os.path.join(training_args.output_dir, f"done-{training_args.process_index}"), "w") as f:
+    with open(os.path.join(output_dir, f"done-{process_index}"), "w") as f:
         f.write("done\n")
 
 
