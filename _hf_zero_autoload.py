@@ -19,6 +19,7 @@ This module lives outside the ``hf_zero`` package so that interpreter start impo
 
 import os
 import sys
+import threading
 
 ENV_VAR = "HF_ZERO_AUTOLOAD"
 TARGET = "hf_zero._autoload"
@@ -26,7 +27,13 @@ TARGET = "hf_zero._autoload"
 # watched module -> the function of TARGET to call once it has finished executing
 _AT_START = {"transformers.training_args": "optim_name", "transformers.trainer": "trainer"}
 _WITH_HF_ZERO = {"accelerate.accelerator": "accelerator"}
-_pending: dict = {}  # watched modules whose registration has not run yet -> function name
+# watched modules whose registration has not succeeded yet -> function name: not imported
+# yet, or imported and failed (retried at the next watched import and at ``import hf_zero``)
+_pending: dict = {}
+_done: set = set()  # watched modules registered for
+# guards _pending and the registrations: imports can run on several threads, and a
+# registration imports watched modules itself (hence reentrant)
+_LOCK = threading.RLock()
 
 
 def enabled() -> bool:
@@ -47,32 +54,56 @@ def install() -> None:
 
 def _watch(registrations: dict) -> None:
     """Register now for each module already loaded, otherwise once it is."""
-    for name, function in registrations.items():
-        module = sys.modules.get(name)
-        if module is None:
-            _pending[name] = function
-        elif not _executing(module):
-            _register(name, function)
-        # else: it is executing right now, past the finder; nothing can hook it any more
-    if _pending and _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
+    with _LOCK:
+        for name, function in registrations.items():
+            if name not in _done:
+                _pending.setdefault(name, function)
+        _retry_loaded()
+        if _pending and _FINDER not in sys.meta_path:
+            sys.meta_path.insert(0, _FINDER)
+
+
+def _retry_loaded() -> None:
+    """Register for every pending module that has finished executing (a module still
+    executing is past the finder: its own loader registers when it ends)."""
+    with _LOCK:
+        for name, function in list(_pending.items()):
+            module = sys.modules.get(name)
+            if module is not None and not _executing(module):
+                _register(name, function)
 
 
 def _register(name: str, function: str) -> None:
-    """Call ``TARGET.function`` for ``name``, which has executed. A failure warns and leaves
-    hf_zero unregistered: it must not break a process that merely imports transformers."""
-    _pending.pop(name, None)
+    """Call ``TARGET.function`` for ``name``, which has executed. On success ``name`` is no
+    longer pending; a failure (rolled back by the function itself) keeps it pending, to be
+    retried, and is reported without ever raising: it must not break a process that merely
+    imports transformers."""
+    with _LOCK:
+        if _pending.get(name) != function:
+            return  # done meanwhile (reentrant import)
+        try:
+            getattr(__import__(TARGET, fromlist=[function]), function)()
+        except Exception as exc:  # noqa: BLE001 - reported, and the process goes on without it for now
+            _report(f"hf_zero could not register with {name} ({type(exc).__name__}: {exc}); optim='zero_bucket' "
+                    "or the Accelerate wiring may be unavailable in this process until a retry succeeds (at the "
+                    f"next transformers/accelerate import or `import hf_zero`). Set {ENV_VAR}=0 to skip this "
+                    "start-up hook.")
+        else:
+            _pending.pop(name, None)
+            _done.add(name)
+
+
+def _report(message: str) -> None:
+    """A RuntimeWarning, or a line on stderr where warnings are errors (``python -W error``)."""
     try:
-        getattr(__import__(TARGET, fromlist=[function]), function)()
-    except Exception as exc:  # noqa: BLE001 - reported, and the process goes on without hf_zero
         import warnings
 
-        warnings.warn(
-            f"hf_zero could not register with {name} ({type(exc).__name__}: {exc}); optim='zero_bucket' "
-            f"or the Accelerate wiring may be unavailable in this process. Set {ENV_VAR}=0 to skip this "
-            "start-up hook.",
-            RuntimeWarning,
-        )
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    except Exception:  # noqa: BLE001 - the warning filter turned it into an error
+        try:
+            sys.stderr.write(f"RuntimeWarning: {message}\n")
+        except Exception:  # noqa: BLE001 - no stderr: nothing more to do
+            pass
 
 
 def _executing(module) -> bool:
@@ -96,8 +127,13 @@ class _Loader:
         if getattr(module, "__spec__", None) is not None:
             module.__spec__.loader = self._loader
         self._loader.exec_module(module)
-        if self._name in _pending:
-            _register(self._name, _pending[self._name])
+        try:
+            with _LOCK:
+                if self._name in _pending:  # (still flagged as executing: registered by name)
+                    _register(self._name, _pending[self._name])
+                _retry_loaded()  # any whose registration failed before
+        except Exception:  # noqa: BLE001 - never break the import (_register reports its own failures)
+            pass
 
     def __getattr__(self, attr):  # get_source, get_filename, is_package, ...
         return getattr(self._loader, attr)
@@ -108,7 +144,7 @@ class _Finder:
     and wraps its loader. Every other import costs one dict lookup."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _pending:
+        if fullname not in _pending or fullname in sys.modules:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None) if finder is not self else None

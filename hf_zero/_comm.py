@@ -10,6 +10,7 @@ import contextlib
 import ctypes
 import hashlib
 import time
+from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
@@ -397,12 +398,12 @@ class Pending:
     def __init__(self, works: list, what: str, rank: int, finish: Callable[[], Any] | None = None):
         self._works, self._what, self._rank, self._finish = works, what, rank, finish
 
-    def wait(self) -> Any:
+    def wait(self, timeout_s: float | None = None) -> Any:
         works, self._works = self._works, []
         finish, self._finish = self._finish, None
         with _named(self._what, self._rank):
             for w in works:
-                w.wait()
+                w.wait() if timeout_s is None else w.wait(timedelta(seconds=timeout_s))
         return finish() if finish is not None else None
 
     @property

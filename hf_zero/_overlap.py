@@ -86,10 +86,20 @@ class ParamSyncOverlap:
         self._hooked[model] = handles
 
 
+    def drain_within(self, timeout_s: float) -> None:
+        """Wait for every pending sync, each collective at most ``timeout_s`` seconds."""
+        pending, self._pending = self._pending, {}
+        for p in pending.values():
+            p.wait(timeout_s)
+
+
+_EXIT_WAIT_S = 5.0  # at exit, per pending collective: a peer that died or stopped must not hold the process
+
+
 @atexit.register
 def _drain_all() -> None:
     for overlap in list(_LIVE):
         try:
-            overlap.drain()
-        except Exception:  # a peer already gone: nothing left to protect at exit
+            overlap.drain_within(_EXIT_WAIT_S)
+        except Exception:  # a peer gone or silent: nothing left to protect at exit
             pass

@@ -129,6 +129,17 @@ class OverflowOnRank1(TrainerCallback):
             self.handle = None
 
 
+class GradStorages(TrainerCallback):
+    """Before each optimizer step: (params with a grad, distinct storages their grads live in)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        self.seen.append((len(grads), len({g.untyped_storage().data_ptr() for g in grads})))
+
+
 class SaveOnEvaluate(TrainerCallback):
     """Asks for a checkpoint after every evaluation (a user callback deciding late)."""
 
@@ -164,6 +175,7 @@ def run_trainer(
     user_callbacks=True,
     evaluate=False,
     save_on_evaluate=False,
+    grad_storages=False,
     **overrides,
 ):
     """One Trainer run; returns (final params, log_history, info) from this rank.
@@ -229,6 +241,9 @@ def run_trainer(
         callbacks.append(OverflowOnRank1(*overflow))
     if save_on_evaluate:
         callbacks.append(SaveOnEvaluate())
+    storages = GradStorages()
+    if grad_storages:
+        callbacks.append(storages)
     trainer = (CpuGradScalerTrainer if overflow else InOrderTrainer)(
         model=model,
         args=args,
@@ -244,6 +259,8 @@ def run_trainer(
     info = {}
     if overflow:
         info = {"skipped": callbacks[-1].skipped, "scale": trainer.accelerator.scaler.get_scale()}
+    if grad_storages:
+        info.update(grad_storages=storages.seen, ddp_grad_views=trainer.model_wrapped.gradient_as_bucket_view)
     zero = getattr(trainer.optimizer, "optimizer", None)
     if isinstance(zero, hf_zero.ZeroBucketOptimizer):
         info.update(grad_reduce=zero.grad_reduce, overlap=zero.overlaps_param_sync)

@@ -224,6 +224,44 @@ def add_optimizer_name(value: str, *, member_name: str) -> None:
     _require(OptimizerNames, "_member_names_", "transformers").append(member_name)
 
 
+def remove_optimizer_name(value: str) -> None:
+    """Undo :func:`add_optimizer_name` (a registration rolled back). No-op when absent."""
+    from transformers.training_args import OptimizerNames
+
+    member = OptimizerNames._value2member_map_.pop(value, None)
+    if member is None:
+        return
+    OptimizerNames._member_map_.pop(member._name_, None)
+    if member._name_ in OptimizerNames._member_names_:
+        OptimizerNames._member_names_.remove(member._name_)
+    if OptimizerNames.__dict__.get(member._name_) is member:
+        type.__delattr__(OptimizerNames, member._name_)
+
+
+def optimizer_registered(value: str) -> bool:
+    """Whether :func:`register_optimizer` holds a handler for ``value``."""
+    if not has_optimizer_handler_table():
+        return value in _LEGACY_HANDLERS
+    import transformers.trainer_optimizer as trainer_optimizer
+    from transformers.training_args import OptimizerNames
+
+    member = OptimizerNames._value2member_map_.get(value)
+    return member is not None and member in trainer_optimizer._OPTIMIZER_HANDLERS
+
+
+def unregister_optimizer(value: str) -> None:
+    """Undo :func:`register_optimizer` for ``value`` (the legacy dispatch wrapper stays: it
+    passes every unregistered name to the original). No-op when absent."""
+    _LEGACY_HANDLERS.pop(value, None)
+    if has_optimizer_handler_table():
+        import transformers.trainer_optimizer as trainer_optimizer
+        from transformers.training_args import OptimizerNames
+
+        member = OptimizerNames._value2member_map_.get(value)
+        if member is not None:
+            trainer_optimizer._OPTIMIZER_HANDLERS.pop(member, None)
+
+
 # value -> handler, for versions without the handler table (answered by _legacy_dispatch)
 _LEGACY_HANDLERS: dict[str, Callable] = {}
 _ORIGINAL = "_hf_zero_original"

@@ -107,19 +107,43 @@ def install(accelerator_class) -> None:
     """Wire every ``accelerator_class`` instance after each ``prepare_model`` /
     ``prepare_optimizer``. Idempotent; :mod:`hf_zero._autoload` calls it when
     ``accelerate.accelerator`` has been imported."""
-    _compat.before_prepare(accelerator_class, _refuse_engines)
+    _compat.before_prepare(accelerator_class, _before_prepare)
     _compat.after_prepare(accelerator_class, _wire)
 
 
-def _refuse_engines(accelerator, objects=()) -> None:
-    """Raise before ``prepare`` when a ZeroBucketOptimizer is among ``objects`` (or
-    already prepared) and the accelerator runs an engine hf_zero cannot serve."""
+def _before_prepare(accelerator, objects=()) -> None:
+    """Before ``prepare(*objects)`` with a ZeroBucketOptimizer among them (or already
+    prepared): refuse the engines hf_zero cannot serve, and, when a model is among them,
+    have DDP keep each ``p.grad`` as a view of its bucket (``gradient_as_bucket_view``):
+    otherwise the grads are held twice, in ``p.grad`` and in DDP's buckets."""
     if not any(ours(o) is not None for o in (*objects, *_compat.prepared_optimizers(accelerator))):
         return
+    _refuse_engines(accelerator)
+    if any(isinstance(o, torch.nn.Module) for o in objects):
+        _grads_as_bucket_views(accelerator)
+
+
+def _refuse_engines(accelerator) -> None:
     what = unsupported(distributed_type=accelerator.distributed_type,
                        parallelism_config=getattr(accelerator, "parallelism_config", None))
     if what is not None:
         raise refusal(what, where="Accelerator.prepare")
+
+
+def _grads_as_bucket_views(accelerator) -> None:
+    """Set ``gradient_as_bucket_view=True`` in the DDP kwargs ``prepare_model`` will use
+    (``accelerator.ddp_handler``, a ``DistributedDataParallelKwargs``; Accelerate 1.3 to
+    1.15 and Trainer, which puts its own there, read it when they build DDP). The user's
+    handler object is copied, not changed."""
+    import dataclasses
+
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    handler = getattr(accelerator, "ddp_handler", None)
+    if handler is None:
+        accelerator.ddp_handler = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
+    elif not handler.gradient_as_bucket_view:
+        accelerator.ddp_handler = dataclasses.replace(handler, gradient_as_bucket_view=True)
 
 
 def _wire(accelerator, prepared=None) -> bool:

@@ -42,7 +42,8 @@ _INNER: dict[str, tuple[type, dict, bool, tuple[str, ...]]] = {
         ("scale_parameter", "relative_step", "warmup_init", "clip_threshold", "decay_rate", "beta1"),
     ),
 }
-_COMMON_KEYS = ("inner", "shard", "bucket_view", "sharded_checkpoints", "grad_reduce", "overlap")
+_COMMON_KEYS = ("inner", "shard", "bucket_view", "sharded_checkpoints", "grad_reduce", "overlap", "master_weights")
+_MASTER_WEIGHTS = {"auto": "auto", "true": True, "false": False}
 _GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 _SHARDS = ("auto", "flat", "param")
 _BOOL = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -60,13 +61,25 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
     """Turn Trainer's parsed ``optim_args`` into ZeroBucketOptimizer keyword arguments
     (besides the learning rate, betas, eps and weight decay, which come from the args).
 
-    Keys: ``inner`` (one of :data:`_INNER`, default ``adamw``), ``shard``
-    (``auto``/``flat``/``param``), ``bucket_view`` (bool), ``sharded_checkpoints``
-    (bool: read by :class:`ZeroBucketCallback`, see :func:`sharded_checkpoints_requested`),
-    ``grad_reduce`` (``reduce_scatter``, the default, or ``all_reduce``: DDP's own
-    all-reduce), ``overlap`` (bool, default true: the parameter sync overlaps the next
-    forward), and the inner optimizer's own options (e.g. ``momentum`` for ``sgd``).
-    Unknown keys or values raise ``ValueError`` listing the valid ones.
+    Keys (booleans are ``true``/``false``, ``1``/``0`` or ``yes``/``no``):
+
+    - ``inner``: one of :data:`_INNER` (default ``adamw``);
+    - ``shard``: ``auto`` (default), ``flat`` or ``param``;
+    - ``bucket_view``: bool, default true (params become views of the flat buffers);
+    - ``sharded_checkpoints``: bool, default false (read by :class:`ZeroBucketCallback`,
+      see :func:`sharded_checkpoints_requested`);
+    - ``grad_reduce``: ``reduce_scatter`` (default) or ``all_reduce`` (DDP's own all-reduce);
+    - ``overlap``: bool, default true (the parameter sync overlaps the next forward);
+    - ``master_weights``: ``auto``, ``true`` or ``false``: fp32 master weights for 16-bit
+      params, passed to the optimizer only when given (its default applies otherwise);
+    - the inner optimizer's own options: ``amsgrad`` (bool) for ``adamw*`` and ``adam``;
+      ``momentum``, ``dampening`` (numbers) and ``nesterov`` (bool) for ``sgd``;
+      ``scale_parameter``, ``relative_step``, ``warmup_init`` (bools), ``clip_threshold``,
+      ``decay_rate``, ``beta1`` (numbers) for ``adafactor``. Adafactor is built with
+      ``scale_parameter=False, relative_step=False`` unless given, as Trainer's own
+      ``optim="adafactor"`` does, so the learning rate is Trainer's.
+
+    Unknown keys or values raise ``ValueError`` naming the key and listing the valid ones.
     """
     inner = optim_args.get("inner", "adamw")
     if inner not in _INNER:
@@ -86,6 +99,11 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
     grad_reduce = optim_args.get("grad_reduce", "reduce_scatter")
     if grad_reduce not in _GRAD_REDUCE:
         raise ValueError(f"optim_args: grad_reduce={grad_reduce!r} is not valid; choose one of {list(_GRAD_REDUCE)}")
+    if "master_weights" in optim_args and optim_args["master_weights"].lower() not in _MASTER_WEIGHTS:
+        raise ValueError(
+            f"optim_args: master_weights={optim_args['master_weights']!r} is not valid; choose one of "
+            f"{list(_MASTER_WEIGHTS)}"
+        )
     if inner == "adamw_fused" and not _fused_available():
         raise ValueError("optim_args: inner='adamw_fused' is not available with this torch build/device")
     out: dict[str, Any] = {
@@ -96,6 +114,8 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
         "overlap_param_sync": _bool("overlap", optim_args.get("overlap", "true")),
         **fixed,
     }
+    if "master_weights" in optim_args:  # passed only when given (older cores have no such keyword)
+        out["master_weights"] = _MASTER_WEIGHTS[optim_args["master_weights"].lower()]
     for key in extra:
         if key in optim_args:
             raw = optim_args[key]
@@ -169,12 +189,28 @@ class ZeroBucketFactory:
 def _handler(ctx) -> tuple[Any, dict[str, Any]]:
     kwargs = parse_optim_args(ctx.optim_args)
     _check_engine(ctx.args)
+    _check_fp16_params(ctx.args, ctx.model)
     _check_parallel(ctx.args)
     kwargs.update(ctx.optimizer_kwargs)  # lr
     if _INNER[ctx.optim_args.get("inner", "adamw")][2]:
         kwargs.update(ctx.adam_kwargs)  # betas, eps
     kwargs["weight_decay"] = ctx.args.weight_decay
     return ZeroBucketFactory, kwargs
+
+
+def _check_fp16_params(args, model) -> None:
+    """Refuse ``fp16=True`` on a model with float16 trainable params: GradScaler's
+    ``unscale_`` refuses float16 gradients ("Attempting to unscale FP16 gradients")."""
+    if not getattr(args, "fp16", False) or model is None:
+        return
+    half = [n for n, p in model.named_parameters() if p.dtype == torch.float16]
+    if half:
+        raise ValueError(
+            f"optim='{OPTIM_NAME}': fp16=True with float16 params ({len(half)}, e.g. {half[0]!r}): fp16 mixed "
+            "precision scales the loss and GradScaler cannot unscale float16 gradients. Load the model in "
+            "float32 (autocast computes in float16 and keeps float32 weights), or train a 16-bit model with "
+            "bf16=True."
+        )
 
 
 def _check_engine(args) -> None:
@@ -210,13 +246,30 @@ def _check_parallel(args) -> None:
 
 
 def register() -> None:
-    """Register ``optim="zero_bucket"`` and the default callback. Idempotent."""
-    _compat.add_optimizer_name(OPTIM_NAME, member_name=OPTIM_MEMBER)
-    _compat.register_optimizer(OPTIM_NAME, _handler)
-    _compat.watch_trainer(transformers.Trainer)
-    _compat.before_optimizer_save(transformers.Trainer, _before_optimizer_save)
-    if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
-        transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
+    """Register ``optim="zero_bucket"`` and the default callback. Idempotent.
+
+    All or nothing: when a step fails, what this call added (the name, the handler, the
+    callback) is removed again before the error propagates, so a Trainer never sees
+    ``zero_bucket`` without its handler. (The method wrappers of ``watch_trainer`` /
+    ``before_optimizer_save`` may stay: they change nothing for other optimizers.)"""
+    from transformers.training_args import OptimizerNames
+
+    undo = []
+    try:
+        if OPTIM_NAME not in OptimizerNames._value2member_map_:
+            _compat.add_optimizer_name(OPTIM_NAME, member_name=OPTIM_MEMBER)
+            undo.append(lambda: _compat.remove_optimizer_name(OPTIM_NAME))
+        if not _compat.optimizer_registered(OPTIM_NAME):
+            undo.append(lambda: _compat.unregister_optimizer(OPTIM_NAME))
+            _compat.register_optimizer(OPTIM_NAME, _handler)
+        _compat.watch_trainer(transformers.Trainer)
+        _compat.before_optimizer_save(transformers.Trainer, _before_optimizer_save)
+        if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
+            transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
+    except BaseException:
+        for step in reversed(undo):
+            step()
+        raise
 
 
 # optimizer -> the Trainer whose create_optimizer built it (weakly)

@@ -11,7 +11,10 @@ scripts do: the optimizer is freed with its sync in flight; see docs/gradient_pa
 
 import argparse
 import faulthandler
+import os
+import signal
 import sys
+import time
 
 faulthandler.enable(all_threads=True)  # an abort at exit shows where every thread was
 
@@ -26,10 +29,31 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from hf_zero import ZeroBucketOptimizer  # noqa: E402
 
 
+_KEPT_ALIVE = []
+
+
+def _die_at_the_parameter_sync(sig) -> None:
+    """Send ``sig`` to this process as it starts sending its part of the next parameter
+    sync (on gloo CPU tensors hf_zero sends it with ``isend``; other setups broadcast)."""
+    def dying(send):
+        def call(*args, **kwargs):
+            if send is not dist.broadcast or kwargs.get("async_op"):
+                os.kill(os.getpid(), sig)
+            return send(*args, **kwargs)
+
+        return call
+
+    dist.isend, dist.broadcast = dying(dist.isend), dying(dist.broadcast)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--end", choices=["destroy", "plain"], default="destroy")
     ap.add_argument("--optimizer", choices=["zero", "zero-no-overlap", "adamw"], default="zero")
+    ap.add_argument("--die-rank", type=int, default=None,
+                    help="this rank SIGKILLs itself as its last step starts the parameter sync; the others then "
+                         "end plainly, with that sync pending")
+    ap.add_argument("--stuck", action="store_true", help="with --die-rank: SIGSTOP instead (alive but silent)")
     end = ap.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -47,8 +71,14 @@ def main():
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(4 * world, 16, generator=g), torch.randn(4 * world, 4, generator=g)
         torch.nn.functional.mse_loss(ddp(x[rank::world]), y[rank::world]).backward()
+        if step == 5 and rank == end.die_rank:
+            _die_at_the_parameter_sync(signal.SIGSTOP if end.stuck else signal.SIGKILL)
         opt.step()
         opt.zero_grad()
+    if end.die_rank is not None:
+        _KEPT_ALIVE.append(opt)  # alive at exit: hf_zero's at-exit drain meets the sync waiting for the dead peer
+        print(f"rank {rank} done at {time.time()}", flush=True)
+        return
     if end.end == "destroy":
         if end.optimizer.startswith("zero"):
             opt.wait_param_sync()

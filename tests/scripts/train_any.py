@@ -5,9 +5,11 @@ merely installed. Like transformers' example scripts it parses ``TrainingArgumen
 with ``HfArgumentParser`` from the command line, or from a JSON file given as the only
 argument, and resumes from ``resume_from_checkpoint``. It trains a tiny float64 GPT-2
 (about 1,300 parameters) on synthetic tokens, then saves the model. Rank 0 writes the
-log history to ``<output_dir>/log_history.json``; each rank writes ``done-<rank>`` last.
+log history to ``<output_dir>/log_history.json``; each rank destroys the process group,
+then writes ``done-<rank>`` last.
 """
 
+import gc
 import json
 import os
 import sys
@@ -44,7 +46,17 @@ def main() -> None:
     if trainer.is_world_process_zero():
         with open(os.path.join(training_args.output_dir, "log_history.json"), "w") as f:
             json.dump(trainer.state.log_history, f)
-    with open(os.path.join(training_args.output_dir, f"done-{training_args.process_index}"), "w") as f:
+    # End as a well-behaved script does (Accelerate's end_training(), trl's trainer.end()):
+    # without it gloo's own teardown can abort at exit with any optimizer (docs/gradient_path.md).
+    # DDP goes first: dropped after the group was destroyed, its reducer frees the last
+    # reference to the gloo group on the main thread, whose worker threads may then wait for
+    # the GIL held there (seen: a hang at exit with adamw_torch, 1 run in a few).
+    process_index, output_dir = training_args.process_index, training_args.output_dir
+    del trainer, model
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    with open(os.path.join(output_dir, f"done-{process_index}"), "w") as f:
         f.write("done\n")
 
 
