@@ -16,6 +16,7 @@ from ._codec import class_name, decode, encode
 from ._statedict import ShardedState, check_state_dict, group_problems, hyperparams, match_checkpoint, mismatch_error
 from ._overlap import ParamSyncOverlap
 from ._comm import Comm, fingerprint
+from ._grads import average_grads
 from ._layout import Layout, ParamSpec, Piece, is_elementwise, plan_layout
 from ._state import Holding, Holdings, Kind, kind_of, redistribute, shape_as, split_canonical
 
@@ -377,7 +378,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         GradScaler see averaged grads.
         """
         if self._comm.world_size > 1:
-            self._comm.average_grads([p for p in self.unreduced_params() if p.requires_grad])
+            average_grads(self._comm, [p for p in self.unreduced_params() if p.requires_grad])
         self._iteration.grads_averaged = True
 
     def _local_step(self, kwargs: dict) -> None:

@@ -29,7 +29,7 @@ class ParamSyncOverlap:
     """Pending parameter syncs, per buffer, and the module hooks that wait for them."""
 
     def __init__(self):
-        self._pending: dict[int, object] = {}  # buffer number -> comm.Pending
+        self._pending: dict[int, object] = {}  # buffer number -> _works.Pending
         self._buffer_of: dict[int, int] = {}  # id(param) -> buffer number
         self._hooked: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
         _LIVE.add(self)

@@ -12,8 +12,10 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hf_zero"
 # Lowest first: a module may import only modules listed before it.
 LAYERS = [
     "_engine",
+    "_works",
     "_layout",
     "_comm",
+    "_grads",
     "_state",
     "_codec",
     "_statedict",

@@ -6,7 +6,7 @@ training ends (tests/scripts/exit_run.py).
 ``destroy``: the script waits for the sync and destroys the process group, as
 Accelerate's ``end_training()`` does. ``plain``: it just ends, as most scripts and
 Trainer do; the optimizer is freed with the sync still in flight. Before hf_zero kept
-its gloo work objects ([Note: no Python on communication threads] in hf_zero/_comm.py),
+its gloo work objects ([Note: no Python on communication threads] in hf_zero/_works.py),
 ``plain`` aborted 7 runs of 10 at 2 ranks here, and ``destroy`` aborted now and then on
 a loaded machine: a gloo thread freed a work object while Python was finalizing.
 """
@@ -68,7 +68,7 @@ def test_kept_gloo_works_are_let_go_only_a_sweep_after_one_found_them_completed(
     import gc
     import weakref
 
-    from hf_zero import _comm
+    from hf_zero import _works
 
     class Work:
         done = False
@@ -76,8 +76,8 @@ def test_kept_gloo_works_are_let_go_only_a_sweep_after_one_found_them_completed(
         def is_completed(self):
             return self.done
 
-    monkeypatch.setattr(_comm, "_SWEEP_S", 0.0)  # every add() sweeps
-    kept = _comm._KeptWorks()
+    monkeypatch.setattr(_works, "_SWEEP_S", 0.0)  # every add() sweeps
+    kept = _works._KeptWorks()
     a, b, c = Work(), Work(), Work()
     alive = [weakref.ref(w) for w in (a, b, c)]
     kept.add([a])
