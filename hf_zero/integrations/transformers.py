@@ -63,8 +63,8 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
     (``auto``/``flat``/``param``), ``bucket_view`` (bool), ``sharded_checkpoints``
     (bool: read by :class:`ZeroBucketCallback`, see :func:`sharded_checkpoints_requested`),
     ``grad_reduce`` (``reduce_scatter``, the default, or ``all_reduce``: DDP's own
-    all-reduce), ``overlap`` (bool, default true: the parameter sync overlaps the next
-    forward), and the inner optimizer's own options (e.g. ``momentum`` for ``sgd``).
+    all-reduce), ``overlap`` (bool, default false: the parameter sync overlaps what runs
+    until the next forward; limits in docs/gradient_path.md), and the inner optimizer's own options (e.g. ``momentum`` for ``sgd``).
     Unknown keys or values raise ``ValueError`` listing the valid ones.
     """
     inner = optim_args.get("inner", "adamw")
@@ -92,7 +92,7 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
         "shard": shard,
         "parameters_as_bucket_view": _bool("bucket_view", optim_args.get("bucket_view", "true")),
         "grad_reduce": grad_reduce,
-        "overlap_param_sync": _bool("overlap", optim_args.get("overlap", "true")),
+        "overlap_param_sync": _bool("overlap", optim_args.get("overlap", "false")),
         **fixed,
     }
     for key in extra:
