@@ -13,6 +13,7 @@ import os
 import random
 import socket
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -38,14 +39,14 @@ def _rank(rank, world_size, port, sizes_mb, rounds, out):
 
         def by(how):
             def run():
-                comm.reduce_scatter_by = how
+                comm.use_strategy(replace(comm.strategy, reduce_scatter_by=how))
                 comm.reduce_scatter_(buf, bounds).wait()
 
             return run
 
         def sync_by(how):
             def run():
-                comm.sync_by = how
+                comm.use_strategy(replace(comm.strategy, sync_by=how))
                 comm.sync_buffer(buf, bounds)
 
             return run

@@ -6,40 +6,69 @@ must call it with arguments of the same shape, in the same order.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import hashlib
-import time
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ._works import Pending, keep, named as _named
 
-@contextlib.contextmanager
-def _named(op: str, rank: int):
-    """Say which hf_zero operation a failed or timed-out collective belonged to."""
-    try:
-        yield
-    except RuntimeError as e:
-        raise RuntimeError(f"hf_zero: collective for {op} failed on rank {rank}: {e}") from e
+SYNC_BY = ("all_gather", "broadcast", "send_recv")
+REDUCE_SCATTER_BY = ("send_recv", "all_to_all", "reduce_scatter", "all_reduce")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Which collective carries the parameter sync and the gradient reduce-scatter
+    ([Note: sync collective], [Note: reduce-scatter collective]). Checked when made; a
+    choice a tensor cannot take (gloo point-to-point on CUDA, all_gather or
+    reduce_scatter over unequal ranges) falls back per call, as the notes say."""
+
+    sync_by: str = "send_recv"
+    reduce_scatter_by: str = "send_recv"
+
+    def __post_init__(self):
+        if self.sync_by not in SYNC_BY:
+            raise ValueError(f"sync_by must be one of {', '.join(map(repr, SYNC_BY))}, got {self.sync_by!r}")
+        if self.reduce_scatter_by not in REDUCE_SCATTER_BY:
+            raise ValueError(
+                f"reduce_scatter_by must be one of {', '.join(map(repr, REDUCE_SCATTER_BY))}, "
+                f"got {self.reduce_scatter_by!r}"
+            )
+
+
+def default_strategy(backend: str | None) -> Strategy:
+    """The measured fastest choice for ``backend`` (NCCL: its native collectives; gloo and
+    world size 1: point-to-point)."""
+    if backend == "nccl":
+        return Strategy(sync_by="all_gather", reduce_scatter_by="reduce_scatter")
+    return Strategy(sync_by="send_recv", reduce_scatter_by="send_recv")
 
 
 class Comm:
-    """A process group (or none: world size 1) and the collectives hf_zero needs."""
+    """A process group (or none: world size 1) and the collectives hf_zero needs.
 
-    def __init__(self, process_group=None):
+    ``strategy``: which collectives to use (default: :func:`default_strategy` of the
+    group's backend), fixed here; :meth:`use_strategy` swaps it (tests take each path on gloo).
+    """
+
+    def __init__(self, process_group=None, *, strategy: Strategy | None = None):
+        if strategy is not None and not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy must be a hf_zero._comm.Strategy, got {type(strategy).__name__}")
         self.group = process_group
         self.enabled = dist.is_available() and dist.is_initialized()
+        # Reduce-scatter receive scratch: see _take_scratch.
+        self._scratch_store: dict[torch.device, torch.Tensor] = {}
+        self._scratch_holder: Pending | None = None
         if not self.enabled:
             if process_group is not None:
                 raise ValueError("process_group was given but torch.distributed is not initialized")
             self.rank, self.world_size, self.backend = 0, 1, None
-            self._free = {}
             self._keep_works = False
+            self._strategy = strategy or default_strategy(None)
             return
-        self._free: dict[tuple, list[torch.Tensor]] = {}  # see _scratch
         self.rank = dist.get_rank(process_group)
         if self.rank < 0:
             raise ValueError(
@@ -48,19 +77,26 @@ class Comm:
         self.world_size = dist.get_world_size(process_group)
         self.backend = str(dist.get_backend(process_group)).lower()
         self._keep_works = self.backend == "gloo"  # see [Note: no Python on communication threads]
-        # See [Note: sync collective] and [Note: reduce-scatter collective]; attributes so
-        # that tests can take each path on gloo.
-        self.sync_by = "all_gather" if self.backend == "nccl" else "send_recv"
-        self.reduce_scatter_by = "reduce_scatter" if self.backend == "nccl" else "send_recv"
+        self._strategy = strategy or default_strategy(self.backend)
         self._globals = [
             r if process_group is None else dist.get_global_rank(process_group, r)
             for r in range(self.world_size)
         ]
         self._sync_group = None  # see own_sync_group
 
-    def _pending(self, works: list, what: str, finish: Callable[[], Any] | None = None) -> "Pending":
+    @property
+    def strategy(self) -> Strategy:
+        return self._strategy
+
+    def use_strategy(self, strategy: Strategy) -> None:
+        """Use ``strategy`` for the collectives started from now on (every rank alike)."""
+        if not isinstance(strategy, Strategy):
+            raise TypeError(f"strategy must be a hf_zero._comm.Strategy, got {type(strategy).__name__}")
+        self._strategy = strategy
+
+    def _pending(self, works: list, what: str, finish: Callable[[], Any] | None = None) -> Pending:
         if self._keep_works:
-            _KEPT.add(works)
+            keep(works)
         return Pending(works, what, self.rank, finish=finish)
 
     def _blocking(self, what: str, collective: Callable, *args, **kwargs) -> None:
@@ -124,9 +160,7 @@ class Comm:
         if self.world_size == 1:
             return None
         sizes = [b - a for a, b in zip(bounds, bounds[1:])]
-        how = self.sync_by
-        if how not in ("all_gather", "broadcast", "send_recv"):
-            raise ValueError(f"sync_by must be 'all_gather', 'broadcast' or 'send_recv', got {how!r}")
+        how = self._strategy.sync_by
         if (how == "all_gather" and len(set(sizes)) != 1) or (how == "send_recv" and buffer.device.type != "cpu"):
             how = "broadcast"  # gloo's point-to-point is CPU-only
         group = self._sync_group if self._sync_group is not None else self.group
@@ -168,7 +202,7 @@ class Comm:
         return works
 
     # -- gradients: reduce-scatter ---------------------------------------------------
-    def reduce_scatter_(self, buffer: torch.Tensor, bounds: Sequence[int]) -> "Pending":
+    def reduce_scatter_(self, buffer: torch.Tensor, bounds: Sequence[int]) -> Pending:
         """Average ``buffer`` over ranks into this rank's range only. Asynchronous: the
         :class:`Pending`'s ``wait()`` finishes the average and returns ``buffer``.
 
@@ -189,13 +223,17 @@ class Comm:
         path; it needs equal ranges covering the input, so a bucket is staged into a
         padded copy when its size is not a multiple of N, and unequal ranges
         (``shard="param"``) go through ``all_to_all_single`` there too.
+
+        [Note: reduce-scatter scratch]
+        The point-to-point and all-to-all paths receive into scratch: one buffer per
+        device, the size of the largest bucket's receive so far, lent to one
+        reduce-scatter at a time. Starting the next one first finishes the one holding
+        it (DDP hands buckets in the same order on every rank, so the peers' sends for it
+        were posted already). So the scratch is at most one bucket's, (N-1)/N of it,
+        never (N-1)/N of all the grads; the bucket in flight still overlaps the
+        backward of the next one.
         """
-        how = self.reduce_scatter_by
-        if how not in ("send_recv", "all_to_all", "reduce_scatter", "all_reduce"):
-            raise ValueError(
-                f"reduce_scatter_by must be 'send_recv', 'all_to_all', 'reduce_scatter' or 'all_reduce', "
-                f"got {how!r}"
-            )
+        how = self._strategy.reduce_scatter_by
         n, world = buffer.numel(), self.world_size
         if len(bounds) != world + 1 or bounds[0] != 0 or bounds[-1] < n:
             raise ValueError(f"bounds {list(bounds)} must start at 0 and cover all {n} elements, one range per rank")
@@ -232,7 +270,7 @@ class Comm:
 
             elif how == "send_recv":
                 others = [r for r in range(world) if r != self.rank]
-                received = self._scratch((world - 1) * (hi - lo), buffer.dtype, buffer.device)
+                received = self._take_scratch((world - 1) * (hi - lo), buffer.dtype, buffer.device)
                 chunks = received.view(world - 1, hi - lo)
                 works = self._exchange(
                     sends=[(r, buffer[clipped[r] : clipped[r + 1]]) for r in others],
@@ -248,12 +286,12 @@ class Comm:
                         mine.add_(chunk)
                     if not early:
                         mine.div_(world)
-                    self._release(received)
+                    self._scratch_holder = None
                     return buffer
 
             elif how == "all_to_all":
                 splits = [b - a for a, b in zip(clipped, clipped[1:])]
-                received = self._scratch(world * (hi - lo), buffer.dtype, buffer.device)
+                received = self._take_scratch(world * (hi - lo), buffer.dtype, buffer.device)
                 works = [dist.all_to_all_single(
                     received, buffer, [hi - lo] * world, splits, group=self.group, async_op=True
                 )]
@@ -262,7 +300,7 @@ class Comm:
                     torch.sum(received.view(world, hi - lo), 0, out=mine)
                     if not early:
                         mine.div_(world)
-                    self._release(received)
+                    self._scratch_holder = None
                     return buffer
 
             else:
@@ -273,24 +311,32 @@ class Comm:
                 def finish():
                     return buffer
 
-        return self._pending(works, "reduce-scattering gradients", finish=finish)
+        pending = self._pending(works, "reduce-scattering gradients", finish=finish)
+        if how in ("send_recv", "all_to_all"):
+            self._scratch_holder = pending
+        return pending
 
-    def _scratch(self, numel: int, dtype, device) -> torch.Tensor:
-        """A receive buffer. On the CPU, freed ones are kept and reused: a fresh allocation
-        above glibc's mmap threshold faults in new pages on every call (measured: it
-        doubled the time of a 32 MB reduce-scatter); CUDA's caching allocator reuses anyway."""
-        if device.type != "cpu":
-            return torch.empty(numel, dtype=dtype, device=device)
-        try:
-            return self._free.get((numel, dtype), []).pop()
-        except IndexError:
-            return torch.empty(numel, dtype=dtype, device=device)
+    def _take_scratch(self, numel: int, dtype, device) -> torch.Tensor:
+        """Receive scratch for one reduce-scatter ([Note: reduce-scatter scratch]): the
+        reduce-scatter holding it is finished first. Kept between calls: on the CPU a
+        fresh allocation above glibc's mmap threshold faults in new pages on every call
+        (measured: it doubled the time of a 32 MB reduce-scatter)."""
+        holder, self._scratch_holder = self._scratch_holder, None
+        if holder is not None:
+            holder.wait()
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        store = self._scratch_store.get(device)
+        if store is None or store.numel() < nbytes:
+            self._scratch_store.pop(device, None)  # room first: old and new never live together
+            del store
+            store = self._scratch_store[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return store[:nbytes].view(dtype)
 
-    def _release(self, t: torch.Tensor) -> None:
-        if t.device.type == "cpu":
-            self._free.setdefault((t.numel(), t.dtype), []).append(t)
+    def scratch_bytes(self) -> int:
+        """Bytes of reduce-scatter receive scratch held now (see [Note: reduce-scatter scratch])."""
+        return sum(t.numel() for t in self._scratch_store.values())
 
-    def all_reduce_mean_(self, buffer: torch.Tensor) -> "Pending":
+    def all_reduce_mean_(self, buffer: torch.Tensor) -> Pending:
         """Average ``buffer`` over ranks in place (every element). Asynchronous: the
         :class:`Pending`'s ``wait()`` returns ``buffer``."""
         if self.world_size == 1:
@@ -328,40 +374,6 @@ class Comm:
             dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    # -- gradients ----------------------------------------------------------------
-    def average_grads(self, params: Sequence[torch.Tensor]) -> None:
-        """Average the ``.grad`` of ``params`` over ranks, one all-reduce per (device, dtype).
-
-        A grad missing on a rank counts as zero there; a grad missing on every rank
-        stays ``None`` (a count of present grads rides in the same buffer).
-        """
-        if self.world_size == 1 or not params:
-            return
-        by_key: dict[tuple, list[torch.Tensor]] = {}
-        for p in params:
-            by_key.setdefault((p.device, p.dtype), []).append(p)
-        for (device, dtype), ps in by_key.items():
-            flat = torch.zeros(sum(p.numel() for p in ps) + len(ps), dtype=dtype, device=device)
-            offset = len(ps)
-            for k, p in enumerate(ps):
-                if p.grad is not None:
-                    flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
-                    flat[k] = 1
-                offset += p.numel()
-            self._blocking("averaging grads DDP does not reduce", dist.all_reduce, flat)
-            present = flat[: len(ps)].tolist()
-            flat.div_(self.world_size)
-            offset = len(ps)
-            for k, p in enumerate(ps):
-                g = flat[offset : offset + p.numel()].view(p.shape)
-                offset += p.numel()
-                if present[k] == 0:
-                    p.grad = None
-                elif p.grad is None:
-                    p.grad = g.clone()
-                else:
-                    p.grad.copy_(g)
-
     # -- state movement -------------------------------------------------------------
     def all_to_all(self, send: Sequence[torch.Tensor], recv_sizes: Sequence[int], *, dtype, device) -> list[torch.Tensor]:
         """Send ``send[r]`` (1-D) to rank r; receive ``recv_sizes[r]`` elements from rank r."""
@@ -379,68 +391,9 @@ class Comm:
             self._blocking("a barrier", dist.barrier)
 
 
-class Pending:
-    """Collectives in flight. :meth:`wait` once: it waits, runs ``finish`` (on the calling
-    thread) and returns its result; later calls return None at once.
-
-    [Note: no Python on communication threads]
-    A gloo worker thread that drops the last reference to a work object frees its
-    tensors, and freeing a tensor Python knows takes the GIL; so does running a
-    ``Future.then`` callback. While the interpreter is finalizing, a thread taking the GIL
-    is ended and C++ aborts the process ("terminate called without an active exception";
-    seen with ``gdb`` in ``ProcessGroupGloo::runLoop`` freeing an ``AsyncBroadcastWork``,
-    cf. pytorch/pytorch#179291). So nothing of hf_zero runs on a backend's threads (results
-    are finished by whoever waits), and on gloo the work objects of hf_zero's collectives
-    are kept from their start (``_KEPT``), waited for or not: a worker thread never holds
-    the last reference.
-    """
-
-    def __init__(self, works: list, what: str, rank: int, finish: Callable[[], Any] | None = None):
-        self._works, self._what, self._rank, self._finish = works, what, rank, finish
-
-    def wait(self, timeout_s: float | None = None) -> Any:
-        works, self._works = self._works, []
-        finish, self._finish = self._finish, None
-        with _named(self._what, self._rank):
-            for w in works:
-                w.wait() if timeout_s is None else w.wait(timedelta(seconds=timeout_s))
-        return finish() if finish is not None else None
-
-    @property
-    def done(self) -> bool:
-        return not self._works and self._finish is None
-
-
-class _KeptWorks:
-    """The work objects of hf_zero's gloo collectives, kept from their start until a sweep
-    at least ``_SWEEP_S`` seconds after one first found them completed: a worker thread
-    lets go of a work a moment after completing it (see the note on Pending), whether or
-    not anybody waited. Never freed itself, so whatever it holds at interpreter exit (every
-    collective still running and every one completed in the last second or two) stays
-    held through finalization. Sweeps run when collectives start, on the caller's thread."""
-
-    def __init__(self):
-        self._running: list = []
-        self._completed: list = []  # found completed at the last sweep; let go at the next
-        self._swept = time.monotonic()
-
-    def add(self, works: list) -> None:
-        self._running.extend(works)
-        now = time.monotonic()
-        if now - self._swept >= _SWEEP_S:
-            running, completed = [], []
-            for w in self._running:
-                (completed if w.is_completed() else running).append(w)
-            self._running, self._completed = running, completed  # the previous sweep's completed go
-            self._swept = now
-
-
-_SWEEP_S = 1.0
 # Point-to-point tags, one per purpose: gloo matches messages by (peer, tag), in order.
 _TAG_GRADS = 0x68660001
 _TAG_PARAMS = 0x68660002
-_KEPT = _KeptWorks()
-ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT))
 
 
 _SYNC_GROUPS: dict[tuple, tuple] = {}  # (ranks, backend) -> (the world it was made in, group)

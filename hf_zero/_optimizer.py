@@ -21,6 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import _clip, _lifecycle, _scatter_hook, _sharded
 from ._codec import class_name, decode, encode
 from ._comm import Comm
+from ._grads import average_grads
 from ._layout import Layout, is_elementwise, plan_layout
 from ._lifecycle import StateLifecycle
 from ._masters import MASTER_KEY, check_choice
@@ -402,7 +403,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         GradScaler see averaged grads.
         """
         if self._comm.world_size > 1:
-            self._comm.average_grads([p for p in self.unreduced_params() if p.requires_grad])
+            average_grads(self._comm, [p for p in self.unreduced_params() if p.requires_grad])
         self._iteration.grads_averaged = True
 
     # -- DDP and the gradient path ------------------------------------------------------

@@ -23,7 +23,7 @@ grads were reduced into.
 Each hook starts its bucket's collective and returns a future that an end-of-backward
 callback, queued by the first hook and so run before DDP's finalizer, completes on the
 backward's own thread (waiting, then the local sum of the received ranges): nothing runs
-on the backend's threads ([Note: no Python on communication threads] in comm.py).
+on the backend's threads ([Note: no Python on communication threads] in _works.py).
 
 After the backward (a callback queued from that one runs after DDP has written the
 hooks' results into ``.grad``): one scalar MAX all-reduce of
@@ -82,7 +82,7 @@ class BucketReducer:
         self.partial_grads.clear()
 
     def defer(self, pending) -> torch.futures.Future:
-        """The future DDP waits on for ``pending`` (a ``comm.Pending`` whose value is the bucket)."""
+        """The future DDP waits on for ``pending`` (a ``_works.Pending`` whose value is the bucket)."""
         if self.finish_in_hook:
             return _done(pending.wait())
         fut = torch.futures.Future()
@@ -92,7 +92,7 @@ class BucketReducer:
     def _finish_collectives(self) -> None:
         """Runs before DDP's finalizer: wait for each bucket's collective, finish it
         here rather than in a callback on the backend's thread ([Note: no Python on
-        communication threads] in comm.py), and hand DDP its result."""
+        communication threads] in _works.py), and hand DDP its result."""
         in_flight, self._in_flight = self._in_flight, []
         for fut, pending in in_flight:
             fut.set_result(pending.wait())

@@ -12,9 +12,12 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hf_zero"
 # Lowest first: a module may import only modules listed before it.
 LAYERS = [
     "_engine",
+    "_works",
     "_layout",
     "_comm",
     "_params",
+    "_grads",
+    "_masters",
     "_state",
     "_codec",
     "_statedict",
@@ -29,6 +32,7 @@ LAYERS = [
     "_planner",
     "integrations",
     "integrations._compat",
+    "integrations._refusals",
     "integrations._clipping",
     "integrations._backward",
     "integrations.accelerate",

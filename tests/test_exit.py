@@ -10,7 +10,7 @@ plain ending can abort in gloo's own teardown with any optimizer (docs/gradient_
 "Exit"), so hf_zero's plain runs are counted against plain DDP + AdamW runs of the same
 test: hf_zero's abort count must be no higher, and nothing else may go wrong in either.
 Before hf_zero kept its gloo work objects ([Note: no Python on communication threads] in
-hf_zero/_comm.py), ``plain`` aborted 7 runs of 10 at 2 ranks here.
+hf_zero/_works.py), ``plain`` aborted 7 runs of 10 at 2 ranks here.
 """
 
 import os
@@ -127,7 +127,7 @@ def test_kept_gloo_works_are_let_go_only_a_sweep_after_one_found_them_completed(
     import gc
     import weakref
 
-    from hf_zero import _comm
+    from hf_zero import _works
 
     class Work:
         done = False
@@ -135,8 +135,8 @@ def test_kept_gloo_works_are_let_go_only_a_sweep_after_one_found_them_completed(
         def is_completed(self):
             return self.done
 
-    monkeypatch.setattr(_comm, "_SWEEP_S", 0.0)  # every add() sweeps
-    kept = _comm._KeptWorks()
+    monkeypatch.setattr(_works, "_SWEEP_S", 0.0)  # every add() sweeps
+    kept = _works._KeptWorks()
     a, b, c = Work(), Work(), Work()
     alive = [weakref.ref(w) for w in (a, b, c)]
     kept.add([a])

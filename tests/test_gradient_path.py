@@ -113,7 +113,7 @@ def _train(rank, world_size, case: Case):
     model = build_model(setup.model)
     setup.apply_schedule(model, 0)
     opt = make_zero(setup, model, grad_reduce="reduce_scatter", overlap_param_sync=case.overlap)
-    opt.gradient_path.comm.reduce_scatter_by = case.primitive
+    opt.gradient_path.comm.use_strategy(dataclasses.replace(opt.gradient_path.comm.strategy, reduce_scatter_by=case.primitive))
     ddp = DDP(model, find_unused_parameters=case.find_unused, gradient_as_bucket_view=case.grad_as_bucket_view,
               bucket_cap_mb=BUCKET_MB, static_graph=case.static_graph)
     opt.bind_ddp(ddp)
@@ -126,7 +126,7 @@ def _train(rank, world_size, case: Case):
 
     opt.gradient_path.comm.reduce_scatter_ = counted
     # Nothing of hf_zero may run on gloo's threads (a Future.then callback would): see
-    # [Note: no Python on communication threads] in hf_zero/_comm.py.
+    # [Note: no Python on communication threads] in hf_zero/_works.py.
     then_calls = []
     then = torch._C.Future.then  # the base of torch.futures.Future and of work.get_future()'s futures
     torch._C.Future.then = lambda self, callback: then_calls.append(callback) or then(self, callback)

@@ -1,12 +1,13 @@
 """Comm.reduce_scatter_: each rank ends with the mean over ranks of its own range, by every
 primitive (point-to-point + sum, all_to_all_single + sum, native reduce_scatter with
 staging, all-reduce), for
-equal padded ranges (flat bucket layouts) and unequal ones (param mode), float64 exact."""
+equal padded ranges (flat bucket layouts) and unequal ones (param mode), float64 exact;
+the receive scratch stays within one bucket's however many buckets are in flight."""
 
 import pytest
 import torch
 
-from hf_zero._comm import Comm
+from hf_zero._comm import Comm, Strategy
 from tests._dist import run_ranks
 
 BOUNDS = {
@@ -25,7 +26,7 @@ def _run(rank, world_size, n):
     comm = Comm()
     out = {}
     for how in ("send_recv", "all_to_all", "reduce_scatter", "all_reduce"):
-        comm.reduce_scatter_by = how
+        comm.use_strategy(Strategy(reduce_scatter_by=how))
         for name, make in BOUNDS.items():
             bounds = make(n, world_size)
             buf = _local(rank, n)
@@ -53,10 +54,51 @@ def test_each_rank_gets_the_mean_of_its_range(world_size):
                 torch.testing.assert_close(buf, mean, rtol=0, atol=1e-15)
 
 
-def test_unknown_primitive_is_named_before_anything_changes():
-    comm = Comm()
-    comm.reduce_scatter_by = "carrier_pigeon"
-    buf = torch.ones(4)
-    with pytest.raises(ValueError, match="reduce_scatter_by must be"):
-        comm.reduce_scatter_(buf, [0, 4])
-    assert torch.equal(buf, torch.ones(4))
+def test_unknown_primitive_is_named_when_the_strategy_is_made():
+    with pytest.raises(ValueError, match="reduce_scatter_by must be one of"):
+        Strategy(reduce_scatter_by="carrier_pigeon")
+    with pytest.raises(ValueError, match="sync_by must be one of"):
+        Strategy(sync_by="carrier_pigeon")
+    with pytest.raises(TypeError, match="strategy must be"):
+        Comm(strategy="send_recv")
+
+
+BUCKETS = (40, 96, 24, 96, 8)  # elements, fp64; and one bf16 bucket after them
+
+
+def _in_flight(rank, world_size, how):
+    """Start a reduce-scatter per bucket without waiting (as DDP's hooks do during a
+    backward), recording the scratch held after each start; then wait for all."""
+    comm = Comm(strategy=Strategy(reduce_scatter_by=how))
+    held, pendings, bufs = [], [], []
+    for k, n in enumerate(BUCKETS):
+        buf = _local(rank * 10 + k, n)
+        bounds = [min(n, r * -(-n // world_size)) for r in range(world_size)] + [n]
+        pendings.append(comm.reduce_scatter_(buf, bounds))
+        bufs.append((bounds, buf))
+        held.append(comm.scratch_bytes())
+    low = _local(rank * 10 + 9, 64).to(torch.bfloat16)
+    pendings.append(comm.reduce_scatter_(low, [min(64, r * -(-64 // world_size)) for r in range(world_size)] + [64]))
+    held.append(comm.scratch_bytes())
+    for p in pendings:
+        p.wait()
+    assert pendings[0].wait() is bufs[0][1]  # a second wait gives the same result
+    return held, bufs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["send_recv", "all_to_all"])
+def test_scratch_is_at_most_one_bucket_with_every_bucket_in_flight(how):
+    world_size = 2
+    per_rank = run_ranks(_in_flight, world_size, how, timeout=100)
+    # all_to_all receives this rank's own chunk too: world * chunk elements, chunk = ceil(n / world).
+    per_elem = 8
+    largest = max(BUCKETS) * per_elem if how == "all_to_all" else max(BUCKETS) * per_elem * (world_size - 1) // world_size
+    everything = sum(BUCKETS) * per_elem * (world_size - 1) // world_size
+    for rank, (held, bufs) in enumerate(per_rank):
+        assert max(held) <= largest < everything, held
+        assert held[-1] == max(held)  # one store, reused for the bf16 bucket (no second one)
+        for k, (bounds, buf) in enumerate(bufs):
+            mean = sum(_local(r * 10 + k, BUCKETS[k]) for r in range(world_size)) / world_size
+            lo, hi = bounds[rank], bounds[rank + 1]
+            torch.testing.assert_close(buf[lo:hi], mean[lo:hi], rtol=0, atol=1e-15)

@@ -69,7 +69,8 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
     - ``sharded_checkpoints``: bool, default false (read by :class:`ZeroBucketCallback`,
       see :func:`sharded_checkpoints_requested`);
     - ``grad_reduce``: ``reduce_scatter`` (default) or ``all_reduce`` (DDP's own all-reduce);
-    - ``overlap``: bool, default true (the parameter sync overlaps the next forward);
+    - ``overlap``: bool, default false (opt-in: the parameter sync overlaps what runs until
+      the next forward; limits in docs/gradient_path.md);
     - ``master_weights``: ``auto``, ``true`` or ``false``: fp32 master weights for 16-bit
       params, passed to the optimizer only when given (its default applies otherwise);
     - the inner optimizer's own options: ``amsgrad`` (bool) for ``adamw*`` and ``adam``;
@@ -111,7 +112,7 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
         "shard": shard,
         "parameters_as_bucket_view": _bool("bucket_view", optim_args.get("bucket_view", "true")),
         "grad_reduce": grad_reduce,
-        "overlap_param_sync": _bool("overlap", optim_args.get("overlap", "true")),
+        "overlap_param_sync": _bool("overlap", optim_args.get("overlap", "false")),
         **fixed,
     }
     if "master_weights" in optim_args:  # passed only when given (older cores have no such keyword)

@@ -1,0 +1,87 @@
+"""How long hf_zero keeps the work objects of its collectives, and waiting on them.
+
+[Note: no Python on communication threads]
+A gloo worker thread that drops the last reference to a work object frees its
+tensors, and freeing a tensor Python knows takes the GIL; so does running a
+``Future.then`` callback. While the interpreter is finalizing, a thread taking the GIL
+is ended and C++ aborts the process ("terminate called without an active exception";
+seen with ``gdb`` in ``ProcessGroupGloo::runLoop`` freeing an ``AsyncBroadcastWork``,
+cf. pytorch/pytorch#179291). So nothing of hf_zero runs on a backend's threads (results
+are finished by whoever waits, :class:`Pending`), and on gloo the work objects of
+hf_zero's collectives are kept from their start (:func:`keep`), waited for or not: a
+worker thread never holds the last reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+
+@contextlib.contextmanager
+def named(op: str, rank: int):
+    """Say which hf_zero operation a failed or timed-out collective belonged to."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise RuntimeError(f"hf_zero: collective for {op} failed on rank {rank}: {e}") from e
+
+
+class Pending:
+    """Collectives in flight. :meth:`wait` waits, runs ``finish`` (on the calling thread)
+    the first time and returns its result; later calls return the same result at once."""
+
+    def __init__(self, works: list, what: str, rank: int, finish: Callable[[], Any] | None = None):
+        self._works, self._what, self._rank, self._finish = works, what, rank, finish
+        self._result: Any = None
+
+    def wait(self, timeout_s: float | None = None) -> Any:
+        works, self._works = self._works, []
+        finish, self._finish = self._finish, None
+        with named(self._what, self._rank):
+            for w in works:
+                w.wait() if timeout_s is None else w.wait(timedelta(seconds=timeout_s))
+        if finish is not None:
+            self._result = finish()
+        return self._result
+
+    @property
+    def done(self) -> bool:
+        return not self._works and self._finish is None
+
+
+class _KeptWorks:
+    """The work objects of hf_zero's gloo collectives, kept from their start until a sweep
+    at least ``_SWEEP_S`` seconds after one first found them completed: a worker thread
+    lets go of a work a moment after completing it (see the module note), whether or
+    not anybody waited. Never freed itself, so whatever it holds at interpreter exit (every
+    collective still running and every one completed in the last second or two) stays
+    held through finalization. Sweeps run when collectives start, on the caller's thread."""
+
+    def __init__(self):
+        self._running: list = []
+        self._completed: list = []  # found completed at the last sweep; let go at the next
+        self._swept = time.monotonic()
+
+    def add(self, works: list) -> None:
+        self._running.extend(works)
+        now = time.monotonic()
+        if now - self._swept >= _SWEEP_S:
+            running, completed = [], []
+            for w in self._running:
+                (completed if w.is_completed() else running).append(w)
+            self._running, self._completed = running, completed  # the previous sweep's completed go
+            self._swept = now
+
+
+_SWEEP_S = 1.0
+_KEPT = _KeptWorks()
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT))  # immortal: see _KeptWorks
+
+
+def keep(works: list) -> None:
+    """Hold ``works`` past their completion (gloo: see the module note)."""
+    _KEPT.add(works)
