@@ -27,6 +27,7 @@ LAYERS = [
     "integrations._compat",
     "integrations._clipping",
     "integrations._backward",
+    "integrations._refusals",
     "integrations.accelerate",
     "integrations.transformers",
     "_autoload",
