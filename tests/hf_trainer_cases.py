@@ -188,6 +188,8 @@ def run_trainer(
     sets ``control.should_save`` after each evaluation.
     ``info`` also says which gradient path the optimizer took.
     """
+    if overrides.pop("one_process_per_node", False):  # as if each rank ran on a node of its own
+        os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
     model = tiny_bert()

@@ -35,6 +35,7 @@ LAYERS = [
     "integrations._refusals",
     "integrations._clipping",
     "integrations._backward",
+    "integrations._refusals",
     "integrations.accelerate",
     "integrations.transformers",
     "_autoload",

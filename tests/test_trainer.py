@@ -564,3 +564,16 @@ def test_trainer_grads_are_views_of_ddps_buckets(tmp_path):
     assert all(storages == count == n for count, storages in adamw_info["grad_storages"])
     want = [e["loss"] for e in adamw_log if "loss" in e]
     torch.testing.assert_close(torch.tensor([e["loss"] for e in zero_log if "loss" in e]), torch.tensor(want), rtol=1e-10, atol=0)
+
+
+@pytest.mark.reliability("Trainer, 2 ranks as 2 nodes with save_on_each_node=True (both ranks write optimizer.pt)",
+                         "`ValueError` on both ranks at train begin naming save_on_each_node and sharded_checkpoints=true")
+@pytest.mark.timeout(200)
+def test_save_on_each_node_over_nodes_is_refused_before_the_first_step(tmp_path):
+    errors = run_ranks(run_many, 2, [("run_trainer_catching", dict(
+        output_dir=str(tmp_path / "nodes"), save_on_each_node=True, one_process_per_node=True, save_strategy="steps",
+        save_steps=2, max_steps=2))], timeout=180)
+    for (error,) in errors:
+        assert error.startswith("ValueError: optim='zero_bucket': save_on_each_node=True makes ranks [0, 1]"), error
+        assert "sharded_checkpoints=true" in error
+    assert not os.path.exists(tmp_path / "nodes" / "checkpoint-2")

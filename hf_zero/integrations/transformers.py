@@ -257,7 +257,7 @@ def register() -> None:
 
     undo = []
     try:
-        if OPTIM_NAME not in OptimizerNames._value2member_map_:
+        if OPTIM_NAME not in {m.value for m in OptimizerNames}:
             _compat.add_optimizer_name(OPTIM_NAME, member_name=OPTIM_MEMBER)
             undo.append(lambda: _compat.remove_optimizer_name(OPTIM_NAME))
         if not _compat.optimizer_registered(OPTIM_NAME):
