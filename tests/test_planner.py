@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from hf_zero import _planner as planner, cli
+from hf_zero._layout import ParamSpec, max_over_mean
+from tests.test_layout import real_torch_zero_loads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,6 +52,20 @@ def test_torch_partition_matches_design_figures(preset_params):
     # torch counts frozen params at full size, so small trainable sets pile up.
     norms = planner.select_trainable(preset_params["gpt2"], [r"ln_"])
     assert planner.plan(norms, world_size=8)["plans"]["torch_zero"]["balance"] == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("model, trainable, world_size, balance", [
+    ("gpt2", None, 8, 2.48), ("gpt2", None, 64, 19.9),
+    ("llama-3-8b", [r"layers\.(30|31)\.", "lm_head"], 8, 4.89), ("gpt2", [r"ln_"], 8, 8.0),
+])
+def test_torch_figures_come_from_torchs_own_partition(preset_params, model, trainable, world_size, balance):
+    """The planner's torch_zero column equals torch's real ZeroRedundancyOptimizer partition, rank by rank."""
+    params = planner.select_trainable(preset_params[model], trainable)
+    specs = [ParamSpec(p.numel, torch.float32, "cuda", p.trainable) for p in params]
+    real = real_torch_zero_loads(specs, world_size)
+    planned = planner.plan(params, world_size=world_size)["plans"]["torch_zero"]
+    assert planned["trainable_elements_per_rank"] == real
+    assert planned["balance"] == max_over_mean(real) == pytest.approx(balance, abs=0.05)  # DESIGN.md 5, rounded
 
 
 def test_state_bytes_per_optimizer():
