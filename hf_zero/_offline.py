@@ -70,3 +70,78 @@ def inspect_checkpoint(path: str | os.PathLike) -> str:
             lines.append(f"rank {f['rank']:<10} {f['file']}: {f['bytes']:,} bytes, {len(f['holdings'])} pieces")
         lines.append(f"total bytes     {total:,}")
     return "\n".join(lines)
+
+
+MASTER_KEY = "master_param"  # state[i][MASTER_KEY]: the float32 full-shape master of param i
+
+
+def fp32_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """float32 model weights from a checkpoint: the optimizer's masters, else the saved weights upcast.
+
+    ``path``: a sharded optimizer checkpoint directory, a plain optimizer state dict
+    file (``torch.save``), or a Trainer checkpoint directory holding ``optimizer.pt``
+    (a plain state dict or a sharded reference) and ``model.safetensors``. A param
+    with a master (``state[i]["master_param"]``) takes it; every other weight in
+    ``model.safetensors`` (frozen params, float32 params, buffers) is upcast to float32.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValueError(f"checkpoint: {path!r} does not exist")
+    weights_file = os.path.join(path, "model.safetensors") if os.path.isdir(path) else None
+    state_dict = _optimizer_state_dict(path)
+    names: dict[int, str | None] = {}
+    for g in state_dict.get("param_groups", []):
+        for i, n in zip(g["params"], g.get("param_names") or [None] * len(g["params"])):
+            names[i] = n
+    out: dict[str, torch.Tensor] = {}
+    if weights_file is not None and os.path.isfile(weights_file):
+        from safetensors.torch import load_file
+
+        out = {k: v.float() if v.is_floating_point() else v for k, v in load_file(weights_file).items()}
+    masters = {i: st[MASTER_KEY] for i, st in (state_dict.get("state") or {}).items()
+               if isinstance(st, dict) and MASTER_KEY in st}
+    if not masters and not out:
+        raise ValueError(f"checkpoint: {path!r} holds neither master weights ({MASTER_KEY!r} in the optimizer "
+                         "state) nor model.safetensors: nothing to write")
+    for i, master in sorted(masters.items()):
+        name = names.get(i)
+        if name is None:
+            raise ValueError(f"checkpoint: param {i} has a master weight but the optimizer's param_groups carry "
+                             "no param_names to say which weight it is")
+        if out and name not in out:
+            raise ValueError(f"checkpoint: master weight {name!r} (param {i}) has no weight of that name in "
+                             f"{weights_file}: the optimizer and the model do not match")
+        if out and tuple(out[name].shape) != tuple(master.shape):
+            raise ValueError(f"checkpoint: master weight {name!r} has shape {tuple(master.shape)}, the model's "
+                             f"weight {tuple(out[name].shape)}")
+        out[name] = master.detach().to(torch.float32).clone()
+    return out
+
+
+def _optimizer_state_dict(path: str) -> dict:
+    """The plain optimizer state dict at ``path`` (sharded checkpoints consolidated first)."""
+    from ._sharded import is_reference, is_sharded_checkpoint, reference_info
+
+    if os.path.isdir(path) and is_sharded_checkpoint(path):
+        return consolidate_checkpoint(path)
+    file = os.path.join(path, "optimizer.pt") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        return {}
+    sd = torch.load(file, map_location="cpu", weights_only=True)
+    if is_reference(sd):
+        ref = reference_info(sd)
+        directory = ref["path"] if os.path.isabs(ref["path"]) else os.path.join(os.path.dirname(file), ref["path"])
+        if not is_sharded_checkpoint(directory):
+            directory = os.path.dirname(file)  # a moved checkpoint: the sharded files sit next to optimizer.pt
+        return consolidate_checkpoint(directory)
+    if not isinstance(sd, dict) or "state" not in sd:
+        raise ValueError(f"checkpoint: {file!r} is not an optimizer state dict")
+    return sd
+
+
+def save_weights(weights: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """Write ``weights`` as a safetensors file, atomically."""
+    from safetensors.torch import save_file
+
+    write_atomic(os.fspath(path), lambda tmp: save_file({k: v.contiguous() for k, v in weights.items()}, tmp,
+                                                        metadata={"format": "pt"}))

@@ -23,13 +23,24 @@ import torch
 
 from ._layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
 
-SCHEMA = "hf_zero.plan/1"
+SCHEMA = "hf_zero.plan/2"
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
 BACKENDS = ("nccl", "gloo")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Optimizers whose update is elementwise, so shard="flat" is exact for them.
 _ELEMENTWISE = ("adamw", "sgd")
 _STEP_BYTES = 4  # torch.optim.AdamW keeps ``step`` as a float32 scalar tensor per param
+MASTER_WEIGHTS = ("auto", "true", "false")
+_DDP_BUCKET_CAP_MB = 25.0  # torch DistributedDataParallel's default bucket_cap_mb
+
+# Published per-rank accountings, bytes = a * params + b * trainable + c * trainable / N
+# (sources and formulas: docs/planner.md). Keyed by the param dtype; None where the
+# source gives no figure for that dtype. Adam(W) only.
+REFERENCES: dict[str, dict[str, tuple[int, int, int] | None]] = {
+    "zero_paper_stage1": {"bfloat16": (2, 2, 12), "float16": (2, 2, 12), "float32": None},
+    "deepspeed_zero1": {"bfloat16": (2, 2, 16), "float16": (2, 2, 16), "float32": None},
+    "megatron_distributed": {"bfloat16": (2, 4, 12), "float16": (2, 2, 16), "float32": (4, 4, 8)},
+}
 
 # Published shapes (the models' config.json on the Hugging Face Hub), written out
 # so planning needs no download.
@@ -209,8 +220,18 @@ def plan(
     model_name: str = "",
     architecture: str = "",
     buffer_count: int = 0,
+    master_weights: str | bool = "auto",
+    bucket_cap_mb: float = _DDP_BUCKET_CAP_MB,
 ) -> dict:
-    """The plan report (the ``--json`` document) for ``params`` on ``world_size`` ranks."""
+    """The plan report (the ``--json`` document) for ``params`` on ``world_size`` ranks.
+
+    ``master_weights``: as the optimizer's option: ``"auto"`` or ``True`` keeps, for
+    16-bit params, a float32 master and float32 optimizer state for the elements a
+    rank owns; ``False`` steps the 16-bit params with state in their dtype. float32
+    params never have masters. Every rank holds the params and the grads once (``p.grad``
+    a view of DDP's bucket) and at most one bucket (``bucket_cap_mb``) of
+    reduce-scatter scratch.
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if optimizer not in OPTIMIZERS:
@@ -222,12 +243,23 @@ def plan(
             raise ValueError(f"shard must be 'flat' or 'param', got {s!r}")
         if s == "flat" and optimizer not in _ELEMENTWISE:
             raise ValueError(f"shard='flat' needs an elementwise optimizer; {optimizer} is not one: use 'param'")
+    if isinstance(master_weights, str):
+        if master_weights.lower() not in MASTER_WEIGHTS:
+            raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS} or a bool, got {master_weights!r}")
+        master_weights = master_weights.lower() != "false"
+    if not isinstance(master_weights, bool):
+        raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS} or a bool, got {master_weights!r}")
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
     itemsize = torch.empty(0, dtype=dtype).element_size()
+    masters = master_weights and itemsize < 4
+    state_itemsize = 4 if masters else itemsize
     specs = [ParamSpec(p.numel, dtype, "cuda" if backend == "nccl" else "cpu", p.trainable) for p in params]
     trainable = [p for p in params if p.trainable]
     total = sum(p.numel for p in params)
     train_numel = sum(p.numel for p in trainable)
-    unsharded_state = sum(state_bytes(p.shape, p.numel, optimizer=optimizer, itemsize=itemsize) for p in trainable)
+    unsharded_state = sum(_owned_bytes(p.shape, p.numel, optimizer, state_itemsize, masters) for p in trainable)
+    scratch = min(int(bucket_cap_mb * 2**20), train_numel * itemsize) if world_size > 1 else 0
     report = {
         "schema": SCHEMA,
         "model": {
@@ -240,12 +272,14 @@ def plan(
             "module_buffers": buffer_count,
             "dtype": str(dtype).removeprefix("torch."),
         },
+        "master_weights": masters,
         "world_size": world_size,
         "optimizer": optimizer,
         "backend": backend,
         "per_rank_common": {
             "param_bytes": total * itemsize,
             "grad_bytes": train_numel * itemsize,
+            "scratch_bytes": scratch,
         },
         "unsharded": {
             "state_bytes": unsharded_state,
@@ -254,15 +288,41 @@ def plan(
         "plans": {},
     }
     for shard in shards:
-        report["plans"][f"hf_zero_{shard}"] = _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend)
-    report["plans"]["torch_zero"] = _torch_plan(params, specs, world_size, optimizer, itemsize)
-    common = total * itemsize + train_numel * itemsize
+        plan_ = _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend, state_itemsize, masters)
+        plan_["max_rank_bytes"] = total * itemsize + train_numel * itemsize + scratch + plan_["max_state_bytes"]
+        report["plans"][f"hf_zero_{shard}"] = plan_
+    # torch's ZeroRedundancyOptimizer: one dtype, no masters, grads in p.grad, broadcasts (no scratch)
+    torch_plan = _torch_plan(params, specs, world_size, optimizer, itemsize)
+    torch_plan["max_rank_bytes"] = total * itemsize + train_numel * itemsize + torch_plan["max_state_bytes"]
+    report["plans"]["torch_zero"] = torch_plan
     for p in report["plans"].values():
-        p["max_rank_bytes"] = common + p["max_state_bytes"]
+        p["bytes_per_param"] = p["max_rank_bytes"] / total if total else 0.0
+    report["references"] = _references(total, train_numel, world_size, dtype, optimizer)
     return report
 
 
-def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend) -> dict:
+def _owned_bytes(shape, numel, optimizer, state_itemsize, masters) -> int:
+    """Optimizer state (plus the float32 master when ``masters``) for ``numel`` owned elements."""
+    return state_bytes(shape, numel, optimizer=optimizer, itemsize=state_itemsize) + (4 * numel if masters else 0)
+
+
+def _references(total, trainable, world_size, dtype, optimizer) -> dict:
+    """Per-rank bytes of the published accountings in :data:`REFERENCES` (Adam(W) only)."""
+    name = str(dtype).removeprefix("torch.")
+    out = {}
+    for ref, by_dtype in REFERENCES.items():
+        coef = by_dtype.get(name) if optimizer == "adamw" else None
+        if coef is None:
+            out[ref] = None
+            continue
+        a, b, c = coef
+        nbytes = a * total + b * trainable + c * trainable / world_size
+        out[ref] = {"formula": f"{a} * params + {b} * trainable + {c} * trainable / N",
+                    "max_rank_bytes": nbytes, "bytes_per_param": nbytes / total if total else 0.0}
+    return out
+
+
+def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend, state_itemsize, masters) -> dict:
     layout = plan_layout(specs, world_size=world_size, shard=shard)
     elements = layout.owned_elements()
     state = []
@@ -270,7 +330,7 @@ def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend
         total = 0
         for pc in layout.pieces(r):
             shape = params[pc.index].shape if shard == "param" else (pc.numel,)
-            total += state_bytes(shape, pc.numel, optimizer=optimizer, itemsize=itemsize)
+            total += _owned_bytes(shape, pc.numel, optimizer, state_itemsize, masters)
         state.append(total)
     # As Comm.sync_buffer: NCCL one all-gather per buffer with equal ranges, else one
     # broadcast per range; gloo sends each range to every other rank (CPU tensors).
@@ -335,11 +395,13 @@ def format_report(report: dict) -> str:
         f"{m['trainable_params']:,} trainable in {m['trainable_tensors']} ({m['dtype']})",
         f"world size {ws}, optimizer {report['optimizer']}, backend {report['backend']}",
         f"every rank: params {report['per_rank_common']['param_bytes'] / gib:.3f} GiB, "
-        f"grads {report['per_rank_common']['grad_bytes'] / gib:.3f} GiB",
+        f"grads {report['per_rank_common']['grad_bytes'] / gib:.3f} GiB (held once), "
+        f"reduce-scatter scratch {report['per_rank_common']['scratch_bytes'] / gib:.3f} GiB (one bucket)",
+        f"fp32 master weights: {'yes, sharded with the state' if report['master_weights'] else 'no'}",
         f"unsharded optimizer state {report['unsharded']['state_bytes'] / gib:.3f} GiB "
         f"(ideal per rank {report['unsharded']['ideal_state_bytes_per_rank'] / gib:.3f} GiB)",
         "",
-        f"{'plan':<14}{'balance':>9}{'max state GiB':>15}{'max rank GiB':>14}{'min elems/rank':>16}"
+        f"{'plan':<14}{'balance':>9}{'max state GiB':>15}{'max rank GiB':>14}{'bytes/param':>13}{'min elems/rank':>16}"
         f"{'max elems/rank':>16}{'collectives':>13}",
     ]
     for name, p in report["plans"].items():
@@ -348,9 +410,14 @@ def format_report(report: dict) -> str:
         el = p["trainable_elements_per_rank"]
         lines.append(
             f"{name:<14}{p['balance']:>9.3f}{p['max_state_bytes'] / gib:>15.3f}{p['max_rank_bytes'] / gib:>14.3f}"
+            f"{p['bytes_per_param']:>13.2f}"
             f"{min(el):>16,}{max(el):>16,}{coll:>13}"
         )
-    lines.append("max rank = params + grads + the largest rank's optimizer state (activations and staging buffers not included)")
+    for ref, r in report["references"].items():
+        if r is not None:
+            lines.append(f"{ref:<23}{'':>9}{r['max_rank_bytes'] / gib:>29.3f}{r['bytes_per_param']:>13.2f}   {r['formula']}")
+    lines.append("max rank = params + grads + scratch + the largest rank's optimizer state and masters "
+                 "(activations not included); references: docs/planner.md")
     lines.append("collectives per step: hf_zero = sync + 1 control all-reduce; torch_zero = bucket-view broadcasts "
                  f"({report['plans']['torch_zero']['collectives_per_step']['no_bucket_view']} without bucket views)")
     if ws <= 16:
@@ -408,6 +475,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="param dtype")
     parser.add_argument("--backend", choices=BACKENDS, default="nccl",
                         help="decides the sync collective (all_gather on nccl, point-to-point sends on gloo)")
+    parser.add_argument("--master-weights", choices=MASTER_WEIGHTS, default="auto",
+                        help="fp32 master weights for 16-bit params (auto, the optimizer's default: yes for "
+                        "bfloat16/float16)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (docs/planner.md)")
     parser.add_argument("--plot", metavar="FILE.png", help="also write a bar chart of per-rank state")
 
@@ -434,7 +504,7 @@ def run(args) -> dict:
         ) from None
     report = plan(params, world_size=args.world_size, optimizer=args.optimizer, shards=shards,
                   dtype=DTYPES[args.dtype], backend=args.backend, model_name=args.model,
-                  architecture=architecture, buffer_count=n_buffers)
+                  architecture=architecture, buffer_count=n_buffers, master_weights=args.master_weights)
     if args.plot:
         plot_report(report, args.plot)
     print(json.dumps(report, indent=2) if args.json else format_report(report))

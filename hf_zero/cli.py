@@ -16,6 +16,15 @@ def _plan(args) -> int:
 def _consolidate(args) -> int:
     from . import _offline
 
+    if args.weights:
+        if args.output:
+            raise ValueError("--weights: give either an output state dict file or --weights, not both")
+        weights = _offline.fp32_weights(args.checkpoint)
+        _offline.save_weights(weights, args.weights)
+        print(f"wrote {args.weights}: {len(weights)} float32 weights")
+        return 0
+    if not args.output:
+        raise ValueError("output: name the state dict file to write (or --weights FILE.safetensors)")
     state_dict = _offline.consolidate_checkpoint(args.checkpoint)
     _offline.save_state_dict(state_dict, args.output)
     print(f"wrote {args.output}: state of {len(state_dict['state'])} params in {len(state_dict['param_groups'])} param groups")
@@ -47,8 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         "dict, optimizer state included, loadable with torch.load(weights_only=True) into the plain optimizer "
         "class or into ZeroBucketOptimizer.load_state_dict() on any world size.",
     )
-    merge.add_argument("checkpoint", help="directory written by optimizer.save_sharded()")
-    merge.add_argument("output", help="file to write (written atomically)")
+    merge.add_argument("checkpoint", help="directory written by optimizer.save_sharded() (with --weights also a "
+                       "Trainer checkpoint directory or an optimizer state dict file)")
+    merge.add_argument("output", nargs="?", help="file to write (written atomically)")
+    merge.add_argument("--weights", metavar="FILE.safetensors",
+                       help="instead write float32 model weights: the optimizer's master weights, the other "
+                       "weights of model.safetensors upcast (as DeepSpeed's zero_to_fp32.py)")
     merge.set_defaults(handler=_consolidate)
 
     show = sub.add_parser("inspect", help="print what a sharded optimizer checkpoint holds")

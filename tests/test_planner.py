@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from hf_zero import _planner as planner, cli
+from hf_zero._layout import ParamSpec, max_over_mean
+from tests.test_layout import real_torch_zero_loads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,6 +54,20 @@ def test_torch_partition_matches_design_figures(preset_params):
     assert planner.plan(norms, world_size=8)["plans"]["torch_zero"]["balance"] == pytest.approx(8.0)
 
 
+@pytest.mark.parametrize("model, trainable, world_size, balance", [
+    ("gpt2", None, 8, 2.48), ("gpt2", None, 64, 19.9),
+    ("llama-3-8b", [r"layers\.(30|31)\.", "lm_head"], 8, 4.89), ("gpt2", [r"ln_"], 8, 8.0),
+])
+def test_torch_figures_come_from_torchs_own_partition(preset_params, model, trainable, world_size, balance):
+    """The planner's torch_zero column equals torch's real ZeroRedundancyOptimizer partition, rank by rank."""
+    params = planner.select_trainable(preset_params[model], trainable)
+    specs = [ParamSpec(p.numel, torch.float32, "cuda", p.trainable) for p in params]
+    real = real_torch_zero_loads(specs, world_size)
+    planned = planner.plan(params, world_size=world_size)["plans"]["torch_zero"]
+    assert planned["trainable_elements_per_rank"] == real
+    assert planned["balance"] == max_over_mean(real) == pytest.approx(balance, abs=0.05)  # DESIGN.md 5, rounded
+
+
 def test_state_bytes_per_optimizer():
     w = planner.NamedParam("w", (6, 4), True)
     b = planner.NamedParam("b", (4,), True)
@@ -59,8 +75,11 @@ def test_state_bytes_per_optimizer():
     report = planner.plan([w, b, frozen], world_size=1, optimizer="adamw", shards=("flat",))
     assert report["unsharded"]["state_bytes"] == 2 * 28 * 4 + 2 * 4
     assert report["plans"]["hf_zero_flat"]["state_bytes_per_rank"] == [2 * 28 * 4 + 2 * 4]
-    sgd = planner.plan([w, b], world_size=1, optimizer="sgd", dtype=torch.bfloat16, shards=("flat",))
+    sgd = planner.plan([w, b], world_size=1, optimizer="sgd", dtype=torch.bfloat16, shards=("flat",),
+                       master_weights=False)
     assert sgd["unsharded"]["state_bytes"] == 28 * 2
+    sgd_masters = planner.plan([w, b], world_size=1, optimizer="sgd", dtype=torch.bfloat16, shards=("flat",))
+    assert sgd_masters["unsharded"]["state_bytes"] == 28 * 4 + 28 * 4  # fp32 master + fp32 momentum
     ada = planner.plan([w, b], world_size=2, optimizer="adafactor", shards=("param",))
     assert ada["unsharded"]["state_bytes"] == (6 + 4) * 4 + 4 * 4
     assert sorted(ada["plans"]["hf_zero_param"]["state_bytes_per_rank"]) == [16, 40]
@@ -82,15 +101,17 @@ def test_json_report_schema(capsys, tmp_path):
         png = None
     assert cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["schema"] == "hf_zero.plan/1"
+    assert report["schema"] == "hf_zero.plan/2"
     assert set(report) == {"schema", "model", "world_size", "optimizer", "backend", "per_rank_common",
-                           "unsharded", "plans"}
+                           "unsharded", "plans", "master_weights", "references"}
+    assert set(report["per_rank_common"]) == {"param_bytes", "grad_bytes", "scratch_bytes"}
+    assert report["master_weights"] is False  # float32 params never have masters
     assert set(report["model"]) == {"name", "architecture", "params", "param_tensors", "trainable_params",
                                     "trainable_tensors", "module_buffers", "dtype"}
     assert report["model"]["architecture"] == "GPT2LMHeadModel"  # no architectures listed: a causal LM
     assert set(report["plans"]) == {"hf_zero_flat", "hf_zero_param", "torch_zero"}
     common = {"trainable_elements_per_rank", "state_bytes_per_rank", "max_state_bytes", "max_rank_bytes", "balance",
-              "collectives_per_step", "sync_bytes_per_step"}
+              "collectives_per_step", "sync_bytes_per_step", "bytes_per_param"}
     for name in ("hf_zero_flat", "hf_zero_param"):
         p = report["plans"][name]
         assert set(p) == common | {"buffers"}
@@ -103,6 +124,8 @@ def test_json_report_schema(capsys, tmp_path):
             assert buf["elements"] == buf["rank_bounds"][-1] or name == "hf_zero_param"
     torch_plan = report["plans"]["torch_zero"]
     assert set(torch_plan) == common
+    assert torch_plan["max_rank_bytes"] == (report["per_rank_common"]["param_bytes"]
+                                            + report["per_rank_common"]["grad_bytes"] + torch_plan["max_state_bytes"])
     assert set(torch_plan["collectives_per_step"]) == {"bucket_view", "no_bucket_view"}
     assert report["plans"]["hf_zero_flat"]["collectives_per_step"] == {
         "sync": 1, "sync_kind": "all_gather_into_tensor", "control": 1}
@@ -205,3 +228,40 @@ def test_sync_collectives_per_backend():
             assert nccl["collectives_per_step"] == {"sync": 1, "sync_kind": "all_gather_into_tensor", "control": 1}
         else:  # whole params: unequal ranges, one broadcast per nonempty range
             assert nccl["collectives_per_step"] == {"sync": ranges, "sync_kind": "broadcast", "control": 1}
+
+
+LLAMA_8B = 8_030_261_248
+
+
+@pytest.mark.parametrize("dtype, masters, hf_zero_flat, torch_zero, paper, deepspeed, megatron", [
+    # ZeRO paper stage 1 (2 + 2 + 12/N), DeepSpeed ZeRO-1 bf16 (4 + 16/N), Megatron bf16 fp32 grads (6 + 12/N)
+    ("bfloat16", "auto", 5.5, 4.5, 5.5, 6.0, 7.5),
+    ("bfloat16", "false", 4.5, 4.5, 5.5, 6.0, 7.5),
+    ("float32", "auto", 9.0, 9.0, None, None, 9.0),
+])
+def test_llama_3_8b_bytes_per_param_at_8_ranks(capsys, dtype, masters, hf_zero_flat, torch_zero, paper, deepspeed,
+                                              megatron):
+    assert cli.main(["plan", "--model", "llama-3-8b", "--world-size", "8", "--dtype", dtype,
+                     "--master-weights", masters, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["params"] == LLAMA_8B
+    assert report["master_weights"] is (dtype == "bfloat16" and masters == "auto")
+    flat = report["plans"]["hf_zero_flat"]
+    # params + grads once + masters and state for 1/N + one 25 MiB bucket of scratch
+    assert round(flat["bytes_per_param"], 2) == hf_zero_flat
+    assert flat["bytes_per_param"] <= hf_zero_flat + 0.005
+    assert report["per_rank_common"]["scratch_bytes"] == 25 * 2**20
+    if report["master_weights"]:
+        # fp32 master + two fp32 moments for 1/N of the elements, plus the float32 ``step`` per piece
+        assert 12 * LLAMA_8B / 8 <= flat["max_state_bytes"] < 12 * LLAMA_8B / 8 + 2**20
+    assert round(report["plans"]["torch_zero"]["bytes_per_param"], 2) == torch_zero
+    for name, expected in (("zero_paper_stage1", paper), ("deepspeed_zero1", deepspeed),
+                           ("megatron_distributed", megatron)):
+        ref = report["references"][name]
+        assert (ref is None) if expected is None else ref["bytes_per_param"] == pytest.approx(expected), name
+
+
+def test_master_weights_option_is_named():
+    w = planner.NamedParam("w", (4, 7), True)
+    with pytest.raises(ValueError, match="master_weights"):
+        planner.plan([w], world_size=2, master_weights="yes")
