@@ -23,6 +23,7 @@ LAYERS = [
     "_overlap",
     "_scatter_hook",
     "_clip",
+    "_masters",
     "_partition",
     "_lifecycle",
     "_optimizer",
