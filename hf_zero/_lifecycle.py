@@ -145,20 +145,17 @@ class StateLifecycle:
 
 
 # -- moving state for checkpoints ------------------------------------------------------
-def rank_stats(comm: Comm, rebuilds: int, owned: list, held: Holdings) -> dict:
-    """Per-rank owned elements (of the ``owned`` pieces) and state bytes, and ``rebuilds``. Collective."""
-    state_bytes = sum(
-        v.numel() * v.element_size()
-        for hs in held.values()
-        for h in hs
-        for v in h.state.values()
-        if isinstance(v, torch.Tensor)
-    )
-    per_rank = comm.all_gather_object((sum(pc.numel for pc in owned), state_bytes))
+def rank_stats(comm: Comm, rebuilds: int, owned: list, held: Holdings, live_master_bytes: int = 0) -> dict:
+    """Per-rank owned elements (of the ``owned`` pieces), state bytes and fp32 master bytes
+    (``live_master_bytes`` of the pieces plus parked masters), and ``rebuilds``. Collective."""
+    tensors = [(k, v) for hs in held.values() for h in hs for k, v in h.state.items() if isinstance(v, torch.Tensor)]
+    state_bytes = sum(v.numel() * v.element_size() for k, v in tensors if k != MASTER_KEY)
+    per_rank = comm.all_gather_object((sum(pc.numel for pc in owned), state_bytes, live_master_bytes))
     return {
         "rebuilds": rebuilds,
-        "elements_per_rank": [e for e, _ in per_rank],
-        "state_bytes_per_rank": [b for _, b in per_rank],
+        "elements_per_rank": [e for e, _, _ in per_rank],
+        "state_bytes_per_rank": [b for _, b, _ in per_rank],
+        "master_bytes_per_rank": [m for _, _, m in per_rank],
     }
 
 

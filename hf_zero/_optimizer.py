@@ -120,16 +120,10 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             call :meth:`wait_param_sync` before reading params outside a forward or
             ``model.state_dict()``). ``None`` (default): what the integration binding
             DDP chooses, off in a plain loop.
-        master_weights: ``"auto"`` (default) or ``True``: each trainable bf16/fp16
-            param is stepped through an fp32 master copy of the elements this rank
-            owns, with fp32 optimizer state and the grads cast to fp32, and rounded
-            into the param after each step; the state dict carries each stepped
-            param's master as state ``"master_param"`` (float32, the param's shape).
-            Other dtypes are unchanged. ``False``: the local optimizer steps the
-            16-bit params themselves (pure 16-bit training). With fp16 params a
-            ``GradScaler`` cannot be used (torch refuses to unscale fp16 grads:
-            ``ValueError`` before anything changes); train fp16 with float32 params
-            under autocast, or use bf16. See [Note: master weights] in ``_masters.py``.
+        master_weights: ``"auto"`` (default) or ``True``: bf16/fp16 params step through
+            sharded fp32 masters, saved as state ``"master_param"``; ``False``: pure
+            16-bit steps. fp16 params cannot use a ``GradScaler`` (torch's ``ValueError``).
+            See [Note: master weights] in ``_masters.py``.
         **defaults: hyperparameters for ``optimizer_class``.
 
     Buffers are built at the first :meth:`step` (after ``model.to`` or
@@ -421,27 +415,13 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._table.release_shared_storage()
 
     def stats(self) -> dict[str, Any]:
-        """Per-rank trainable elements owned, optimizer-state bytes and fp32 master-weight
-        bytes held (apart: ``master_bytes_per_rank``), and the rebuild count. Collective
-        (one small object exchange)."""
-        elements = 0 if self._partition is None else sum(pc.numel for pc in self._partition.owned())
-        state_bytes = sum(
-            v.numel() * v.element_size()
-            for hs in self._holdings().values()
-            for h in hs
-            for k, v in h.state.items()
-            if isinstance(v, torch.Tensor) and k != MASTER_KEY
-        )
-        parked_masters = sum(h.state[MASTER_KEY].numel() * 4 for hs in self._lifecycle.parked.values()
-                             for h in hs if MASTER_KEY in h.state)
-        master_bytes = parked_masters + (0 if self._partition is None else self._partition.master_bytes())
-        per_rank = self._comm.all_gather_object((elements, state_bytes, master_bytes))
-        return {
-            "rebuilds": self.rebuilds,
-            "elements_per_rank": [e for e, _, _ in per_rank],
-            "state_bytes_per_rank": [b for _, b, _ in per_rank],
-            "master_bytes_per_rank": [m for _, _, m in per_rank],
-        }
+        """Per-rank trainable elements owned, optimizer-state bytes and fp32 master bytes
+        (apart), and the rebuild count. Collective (one small object exchange)."""
+        owned = [] if self._partition is None else self._partition.owned()
+        parked = sum(h.state[MASTER_KEY].numel() * 4 for hs in self._lifecycle.parked.values()
+                     for h in hs if MASTER_KEY in h.state)
+        live = parked + (0 if self._partition is None else self._partition.master_bytes())
+        return _lifecycle.rank_stats(self._comm, self.rebuilds, owned, self._holdings(), live)
 
     # -- state dict ------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0, *, device: str | torch.device | None = None) -> None:
