@@ -161,15 +161,16 @@ def _local_limits(opt, set_grads, cfg) -> dict:
     transfer, docs/gradient_path.md), on hf_zero's own buffers and on fresh ones of the same
     size. All are timed in turn, in a shuffled order, round after round.
     """
-    n = sum(lp.piece.numel for lp in opt._pieces)
+    part = opt._partition  # hf_zero internals: a benchmark of them
+    n = sum(lp.piece.numel for lp in part.pieces)
     flat = torch.nn.Parameter(torch.zeros(n))
     flat.grad = torch.randn(n) * 1e-3
     ref = torch.optim.AdamW([flat], lr=LR)
-    fresh = [torch.empty_like(b) for b in opt._buffers]
-    bounds = [plan.bounds for plan in opt._layout.buffers]
+    fresh = [torch.empty_like(b) for b in part.buffers]
+    bounds = [plan.bounds for plan in part.layout.buffers]
 
     def raw_sync():  # the same collectives on hf_zero's own buffers: what its code adds
-        for buf, bs in zip(opt._buffers, bounds):
+        for buf, bs in zip(part.buffers, bounds):
             _raw_send_recv(buf, bs)
 
     def raw_sync_fresh():  # on freshly allocated buffers of the same sizes
@@ -178,9 +179,9 @@ def _local_limits(opt, set_grads, cfg) -> dict:
 
     def local():
         set_grads()
-        opt._local_step({})
+        part.step(opt.param_groups, {})
 
-    calls = {"local_s": local, "flat_local_s": ref.step, "sync_s": opt._sync, "raw_sync_s": raw_sync,
+    calls = {"local_s": local, "flat_local_s": ref.step, "sync_s": lambda: part.sync(opt.gradient_path.comm, opt.params, None), "raw_sync_s": raw_sync,
              "raw_sync_fresh_s": raw_sync_fresh,
              # the per-step checks: requires_grad mask, view integrity and the 24-byte agreement all-reduce
              "checks_s": opt.ensure_partition}
@@ -195,7 +196,7 @@ def _local_limits(opt, set_grads, cfg) -> dict:
             if i:  # the first round warms up
                 out[k].append(time.perf_counter() - t0)
     out["owned_elements"] = n
-    out["buffer_bytes"] = sum(b.numel() * b.element_size() for b in opt._buffers)
+    out["buffer_bytes"] = sum(b.numel() * b.element_size() for b in part.buffers)
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._comm import Comm
-from ._layout import Piece
+from ._layout import Piece, plan_layout
 from ._params import ParamTable
 
 _NORM_CHUNK = 1 << 14
@@ -31,6 +31,18 @@ def _pow_sum(g: torch.Tensor, norm_type: float) -> torch.Tensor:
     if full < g.numel():
         total += torch.linalg.vector_norm(g[full:], norm_type, dtype=torch.float32).double().pow(norm_type)
     return total
+
+
+def norm_pieces(table: ParamTable, comm: Comm, shard: str, live) -> list[Piece]:
+    """The elements this rank counts in a sharded norm: the pieces of ``live`` (the current
+    Partition, or None), planned afresh (no collective: every rank has the same trainable
+    set) when trainability changed since it was built. The DDP buckets stay those of the
+    current layout, whose ranges the grads were reduce-scattered into; other grads are
+    whole on every rank."""
+    if live is not None and table.mask() == live.mask:
+        return live.owned()
+    buckets = live.layout.buckets if live is not None else ()
+    return plan_layout(table.specs(), world_size=comm.world_size, shard=shard, buckets=buckets).pieces(comm.rank)
 
 
 def valid_grads(table: ParamTable, chosen: set[int], pieces: list[Piece], partial: set[int]) -> list[torch.Tensor]:

@@ -24,13 +24,14 @@ from typing import Any, Callable
 import torch
 
 from . import _sharded
+from ._codec import class_name, decode, encode
 from ._comm import Comm
 from ._layout import plan_layout
 from ._masters import MASTER_KEY, needs_master
 from ._params import ParamTable
 from ._partition import piece_shape
-from ._state import Holding, Holdings, redistribute, shape_as
-from ._statedict import ShardedState
+from ._state import Holding, Holdings, redistribute, shape_as, split_canonical
+from ._statedict import ShardedState, check_state_dict, group_problems, hyperparams, match_checkpoint, mismatch_error
 
 
 class StateLifecycle:
@@ -81,6 +82,31 @@ class StateLifecycle:
         held_now = current is not None and current[0] is self._token and current[1]["token"] == ref["token"]
         self._pending_ref = None if held_now else ref
 
+    def read_state_dict(self, opt, comm: Comm, table: ParamTable, state_dict: Any
+                        ) -> tuple[list[dict], Holdings | None, bool]:
+        """(hyperparameters, this rank's placed state or None to keep the current state,
+        whether it holds state) of a loaded state dict; raises before anything changes
+        when it does not fit ``opt`` (see ``ZeroBucketOptimizer.load_state_dict``)."""
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), ShardedState):
+            problems = group_problems(opt, [len(g["params"]) for g in state_dict.get("param_groups", [])])
+            if problems:
+                raise mismatch_error("the loaded state dict", problems)
+            if state_dict["state"].token is not self._token:
+                raise ValueError(
+                    "hf_zero: this state dict holds unconsolidated sharded state of another optimizer, or of "
+                    "this one before its state changed, and cannot be loaded: consolidate_state_dict() first"
+                )
+            return hyperparams(state_dict["param_groups"]), None, False
+        by_index = check_state_dict(opt, state_dict)
+
+        def read(i, start, stop, piece_shape):
+            if i not in by_index:
+                return None
+            return split_canonical(by_index[i], table.params[i].shape, start, stop, piece_shape, table.label(i))
+
+        held = place(comm, table, opt.shard, opt.param_groups, read, masters=opt.master_weights)
+        return hyperparams(state_dict["param_groups"]), held, bool(by_index)
+
     # -- facts ---------------------------------------------------------------------------
     @property
     def parked(self) -> Holdings:
@@ -89,9 +115,6 @@ class StateLifecycle:
     @property
     def pending(self) -> dict | None:
         return self._pending_ref
-
-    def holds_own_handle(self, handle: ShardedState) -> bool:
-        return handle.token is self._token
 
     def check_pending(self) -> None:
         """Raise if a loaded reference was never resolved: its state would be lost silently."""
@@ -122,8 +145,61 @@ class StateLifecycle:
 
 
 # -- moving state for checkpoints ------------------------------------------------------
-def consolidate(comm: Comm, table: ParamTable, held: Holdings, to: int, device: torch.device | None) -> dict | None:
-    """Gather every param's whole state on rank ``to`` (None elsewhere). Collective."""
+def rank_stats(comm: Comm, rebuilds: int, owned: list, held: Holdings, live_master_bytes: int = 0) -> dict:
+    """Per-rank owned elements (of the ``owned`` pieces), state bytes and fp32 master bytes
+    (``live_master_bytes`` of the pieces plus parked masters), and ``rebuilds``. Collective."""
+    tensors = [(k, v) for hs in held.values() for h in hs for k, v in h.state.items() if isinstance(v, torch.Tensor)]
+    state_bytes = sum(v.numel() * v.element_size() for k, v in tensors if k != MASTER_KEY)
+    per_rank = comm.all_gather_object((sum(pc.numel for pc in owned), state_bytes, live_master_bytes))
+    return {
+        "rebuilds": rebuilds,
+        "elements_per_rank": [e for e, _, _ in per_rank],
+        "state_bytes_per_rank": [b for _, b, _ in per_rank],
+        "master_bytes_per_rank": [m for _, _, m in per_rank],
+    }
+
+
+def packed_groups(param_groups: list[dict], encode_values: bool) -> list[dict]:
+    """The param groups as a state dict holds them: params numbered, values JSON-able if asked."""
+    index, groups = 0, []
+    for gi, g in enumerate(param_groups):
+        packed = {
+            k: encode(v, f"param group {gi} {k!r}") if encode_values else v
+            for k, v in g.items()
+            if k != "params"
+        }
+        packed["params"] = list(range(index, index + len(g["params"])))
+        index += len(g["params"])
+        groups.append(packed)
+    return groups
+
+
+def read_sharded(opt, comm: Comm, table: ParamTable, path) -> tuple[list[dict], Holdings, bool]:
+    """(hyperparameters, this rank's placed state, whether it holds state) of the sharded
+    checkpoint in ``path``, or the same error on every rank. Collective."""
+    failure: BaseException | None = None
+    try:
+        with _sharded.Checkpoint(path) as ckpt:
+            mapping = match_checkpoint(opt, ckpt)
+            groups = [{k: decode(v) for k, v in g.items() if k != "params"} for g in ckpt.record["param_groups"]]
+            held = place(comm, table, opt.shard, opt.param_groups,
+                         lambda i, start, stop, shape: ckpt.read(mapping[i], start, stop, shape),
+                         masters=opt.master_weights)
+            has_state = ckpt.has_state()
+    except Exception as e:  # every rank must reach the exchange below
+        failure = e
+    report = None if failure is None else f"rank {comm.rank}: {type(failure).__name__}: {failure}"
+    reports = [r for r in comm.all_gather_object(report) if r]
+    if failure is not None:
+        raise failure
+    if reports:
+        raise RuntimeError("hf_zero: load_sharded failed on another rank, nothing was loaded:\n  " + "\n  ".join(reports))
+    return groups, held, has_state
+
+def consolidate(comm: Comm, table: ParamTable, held: Holdings, to: int, device) -> dict | None:
+    """Gather every param's whole state on rank ``to`` (None elsewhere), on ``device``
+    (None: each param's). Collective."""
+    device = None if device is None else torch.device(device)
     numels = table.numels()
     got = redistribute(
         comm,
@@ -208,10 +284,21 @@ def sharded_record(table: ParamTable, *, optimizer_class: str, shard: str, world
     }
 
 
+def write_sharded(opt, comm: Comm, table: ParamTable, held: Holdings, path) -> None:
+    """Write ``held`` (this rank's state) as ``opt``'s sharded checkpoint in ``path``. Collective."""
+    record = sharded_record(
+        table, optimizer_class=class_name(opt.optimizer_class), shard=opt.shard, world_size=comm.world_size,
+        bucket_view=opt.parameters_as_bucket_view, param_groups=packed_groups(opt.param_groups, encode_values=True),
+    )
+    _sharded.write(comm, path, held, table.checkpoint_labels(), record)
+
+
 def find_pending(comm: Comm, ref: dict | None, candidates: list[str]) -> str | None:
     """The directory among ``candidates`` (then the path recorded at save time) holding
     the pending reference's checkpoint, agreed on every rank (None: nothing pending).
     Collective; raises on every rank when no rank-wide agreed one holds it."""
+    if comm.world_size == 1 and ref is None:
+        return None
     looked = list(dict.fromkeys([os.path.abspath(c) for c in candidates] + ([ref["path"]] if ref else [])))
     found = None if ref is None else next((c for c in looked if _sharded.token_at(c) == ref["token"]), None)
     everyone = comm.all_gather_object((ref is not None, found))

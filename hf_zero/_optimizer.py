@@ -11,30 +11,60 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from . import _clip, _lifecycle, _scatter_hook, _sharded
-from ._codec import class_name, decode, encode
+from . import _clip, _lifecycle, _sharded
 from ._comm import Comm
 from ._grads import average_grads
 from ._layout import Layout, is_elementwise, plan_layout
 from ._lifecycle import StateLifecycle
+from ._gradpath import GRAD_REDUCE, GradientPath
 from ._masters import MASTER_KEY, check_choice
-from ._overlap import ParamSyncOverlap
 from ._params import ParamTable, check_params
-from ._partition import Partition, rebuild
-from ._state import Holdings, split_canonical
-from ._statedict import ShardedState, check_state_dict, group_problems, match_checkpoint, mismatch_error
-from ._statedict import hyperparams as saved_hyperparams
+from ._partition import Partition, all_holdings, rebuild
+from ._state import Holdings
 
-GRAD_REDUCE = ("auto", "all_reduce", "reduce_scatter")
+
 
 logger = logging.getLogger(__name__)
+
+
+def _checked_options(optimizer_class, overlap_with_ddp: bool, shard: str, grad_reduce: str) -> str:
+    """Validate the constructor's options before anything changes; returns the resolved shard mode."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    if overlap_with_ddp:
+        raise ValueError(
+            "overlap_with_ddp=True (torch's DDP-communication-hook mode) is not supported by "
+            "ZeroBucketOptimizer; pass overlap_with_ddp=False: the parameter sync is a few "
+            "whole-buffer collectives per step"
+        )
+    if shard not in ("auto", "flat", "param"):
+        raise ValueError(f"shard must be 'auto', 'flat' or 'param', got {shard!r}")
+    if shard == "flat" and not is_elementwise(optimizer_class):
+        raise ValueError(
+            f"shard='flat' splits params across ranks, which is only exact for elementwise "
+            f"optimizers; {optimizer_class.__name__} is not one: use shard='param'"
+        )
+    if grad_reduce not in GRAD_REDUCE:
+        raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE}, got {grad_reduce!r}")
+    if shard == "auto":
+        shard = "flat" if is_elementwise(optimizer_class) else "param"
+    return shard
+
+
+def _resolved_defaults(optimizer_class, param_groups: list[dict], defaults: dict) -> dict:
+    """``optimizer_class``'s defaults with ``defaults`` applied (it validates them), set in every group."""
+    first = param_groups[0]["params"][0]
+    resolved = dict(optimizer_class([torch.zeros(1, dtype=first.dtype, device=first.device)], **defaults).defaults)
+    for group in param_groups:
+        for k, v in resolved.items():
+            group.setdefault(k, v)
+    return resolved
 
 
 @dataclass
@@ -52,55 +82,6 @@ class _JoinHook(JoinHook):
 
     def main_hook(self) -> None:
         self.optimizer.step()
-
-
-class GradientPath:
-    """What the gradient path (``_scatter_hook.py``, the DDP comm hook) may reach on the
-    optimizer: the documented protocol of docs/architecture.md, "The gradient path's
-    protocol". Holds the optimizer weakly: DDP's comm hook must not keep it alive."""
-
-    def __init__(self, optimizer: "ZeroBucketOptimizer"):
-        self._opt = weakref.ref(optimizer)
-        self.comm: Comm = optimizer._comm
-
-    def _optimizer(self) -> "ZeroBucketOptimizer":
-        opt = self._opt()
-        if opt is None:
-            raise RuntimeError("hf_zero: the optimizer of this gradient path is gone")
-        return opt
-
-    @property
-    def params(self) -> tuple[torch.Tensor, ...]:
-        """Every param, in the optimizer's order."""
-        return self._optimizer().params
-
-    def param_index(self, param: torch.Tensor) -> int | None:
-        """``param``'s index in :attr:`params`, or None when it is not one of them."""
-        return self._optimizer()._table.index(param)
-
-    @property
-    def layout(self) -> Layout | None:
-        """The current layout (buffers and each rank's ranges); None before the first step."""
-        live = self._optimizer()._live()
-        return None if live is None else live.layout
-
-    def plan_with_ddp_buckets(self, buckets: tuple[tuple[int, ...], ...]) -> None:
-        """Lay the buffers out after these DDP buckets (param indices, in bucket order)
-        from the next re-partition on (the next step notices). Same on every rank."""
-        self._optimizer()._ddp_buckets = tuple(tuple(b) for b in buckets)
-
-    def ddp_buckets_planned(self) -> tuple[tuple[int, ...], ...] | None:
-        """The DDP buckets the current layout follows (None before the first step)."""
-        layout = self.layout
-        return None if layout is None else layout.buckets
-
-    def bucket_bounds(self, composition: tuple[int, ...]) -> tuple[int, ...] | None:
-        """Rank bounds of the buffer mirroring the DDP bucket of these params, or None."""
-        opt = self._optimizer()
-        live = opt._live()
-        if live is None or opt.grad_reduce != "reduce_scatter":
-            return None
-        return live.bucket_bounds(composition)
 
 
 class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
@@ -127,50 +108,32 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         shard: ``"flat"`` (equal ranges, params may straddle ranks; elementwise
             optimizers only), ``"param"`` (whole params; any optimizer) or
             ``"auto"`` (flat when ``optimizer_class`` is elementwise).
-        grad_reduce: ``"all_reduce"`` (DDP all-reduces the grads, as without
-            hf_zero) or ``"reduce_scatter"``: once :meth:`bind_ddp` is called, DDP's
-            all-reduce is replaced by a reduce-scatter into the ranks that own the
-            elements, so a step moves DDP's bytes instead of 1.5 times them (see
-            docs/gradient_path.md). Grads are then only valid in this rank's own
-            ranges between backward and step: clip with :meth:`clip_grad_norm_` /
-            :meth:`clip_grad_value_`, not torch's. ``"auto"`` (default): what the
-            integration binding DDP chooses (``reduce_scatter`` for Trainer and
-            Accelerate, which route clipping), ``all_reduce`` in a plain loop.
+        grad_reduce: ``"all_reduce"`` (DDP all-reduces the grads, as without hf_zero) or
+            ``"reduce_scatter"``: once :meth:`bind_ddp` is called, DDP's all-reduce is
+            replaced by a reduce-scatter into the ranks that own the elements, so a step
+            moves DDP's bytes instead of 1.5 times them (docs/gradient_path.md). Grads are
+            then only valid in this rank's own ranges between backward and step: clip with
+            :meth:`clip_grad_norm_` / :meth:`clip_grad_value_`, not torch's. ``"auto"``
+            (default): what the integration binding DDP chooses (``reduce_scatter`` for
+            Trainer and Accelerate, which route clipping), ``all_reduce`` in a plain loop.
         overlap_param_sync: sync the params after a step asynchronously; each module's
             forward waits for its own params (needs bucket views and :meth:`bind_ddp`;
             call :meth:`wait_param_sync` before reading params outside a forward or
             ``model.state_dict()``). ``None`` (default): what the integration binding
             DDP chooses, off in a plain loop.
-        master_weights: ``"auto"`` (default) or ``True``: each trainable bf16/fp16
-            param is stepped through an fp32 master copy of the elements this rank
-            owns, with fp32 optimizer state and the grads cast to fp32, and rounded
-            into the param after each step; the state dict carries each stepped
-            param's master as state ``"master_param"`` (float32, the param's shape).
-            Other dtypes are unchanged. ``False``: the local optimizer steps the
-            16-bit params themselves (pure 16-bit training). With fp16 params a
-            ``GradScaler`` cannot be used (torch refuses to unscale fp16 grads:
-            ``ValueError`` before anything changes); train fp16 with float32 params
-            under autocast, or use bf16. See [Note: master weights] in ``_masters.py``.
+        master_weights: ``"auto"`` (default) or ``True``: bf16/fp16 params step through
+            sharded fp32 masters, saved as state ``"master_param"``; ``False``: pure
+            16-bit steps. fp16 params cannot use a ``GradScaler`` (torch's ``ValueError``).
+            See [Note: master weights] in ``_masters.py``.
         **defaults: hyperparameters for ``optimizer_class``.
 
     Buffers are built at the first :meth:`step` (after ``model.to`` or
     ``accelerator.prepare`` moved the params) and checked at every step.
     Every method that says *collective* must be called on all ranks.
 
-    Integration protocol (used by hf_zero's Trainer/Accelerate integrations; see
-    docs/architecture.md): :attr:`params`, :attr:`param_names`, :meth:`param_label`,
-    :meth:`group_of`, :attr:`rank`, :attr:`world_size`, :meth:`ensure_partition`,
-    :meth:`mark_ddp_reduced`, :meth:`unreduced_params`, :meth:`average_unreduced_grads`,
-    :meth:`release_views`, :meth:`stats`, :meth:`refer_to_sharded`,
-    :meth:`load_pending_sharded`, :meth:`load_sharded_if_present`; the gradient path
-    reaches what it needs through :attr:`gradient_path` (a :class:`GradientPath`).
-
-    The work is done by collaborators (docs/architecture.md, "Collaborators"): a
-    :class:`~hf_zero._params.ParamTable`, the current :class:`~hf_zero._partition.Partition`
-    and the :class:`~hf_zero._lifecycle.StateLifecycle`; this class validates, orchestrates
-    the step and keeps torch's ``Optimizer`` / ``Joinable`` contract.
+    Integrations and the gradient path use only the protocol in docs/architecture.md
+    (tests/test_architecture.py checks it), where the collaborators doing the work are listed.
     """
-
 
     def __init__(
         self,
@@ -185,26 +148,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         master_weights: bool | str = "auto",
         **defaults: Any,
     ):
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-        if overlap_with_ddp:
-            raise ValueError(
-                "overlap_with_ddp=True (torch's DDP-communication-hook mode) is not supported by "
-                "ZeroBucketOptimizer; pass overlap_with_ddp=False: the parameter sync is a few "
-                "whole-buffer collectives per step"
-            )
-        if shard not in ("auto", "flat", "param"):
-            raise ValueError(f"shard must be 'auto', 'flat' or 'param', got {shard!r}")
-        if shard == "flat" and not is_elementwise(optimizer_class):
-            raise ValueError(
-                f"shard='flat' splits params across ranks, which is only exact for elementwise "
-                f"optimizers; {optimizer_class.__name__} is not one: use shard='param'"
-            )
-        if grad_reduce not in GRAD_REDUCE:
-            raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE}, got {grad_reduce!r}")
         masters = check_choice(master_weights)
-        if shard == "auto":
-            shard = "flat" if is_elementwise(optimizer_class) else "param"
+        shard = _checked_options(optimizer_class, overlap_with_ddp, shard, grad_reduce)
         self._ready = False
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # torch only warns on duplicates
@@ -213,19 +158,12 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             except UserWarning as w:
                 raise ValueError(f"params: {w}") from None
         check_params(self.param_groups)
-        first = self.param_groups[0]["params"][0]
-        probe = optimizer_class([torch.zeros(1, dtype=first.dtype, device=first.device)], **defaults)
-        self.defaults = dict(probe.defaults)
-        for group in self.param_groups:
-            for k, v in self.defaults.items():
-                group.setdefault(k, v)
-        del probe
+        self.defaults = _resolved_defaults(optimizer_class, self.param_groups, defaults)
         Joinable.__init__(self)
 
         self.optimizer_class = optimizer_class
         self.shard = shard
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
-        self.grad_reduce = grad_reduce
         self.master_weights = masters
         self.rebuilds = 0
         self._comm = Comm(process_group)
@@ -233,17 +171,11 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._partition: Partition | None = None
         self._reload_due = False  # a load happened: the next step rebuilds on every rank
         self._lifecycle = StateLifecycle()
-        self._fingerprint: tuple[tuple[bool, ...], int] | None = None  # (mask, fingerprint), cached
-        self._ddp_reduced: tuple[bool, ...] | None = None
-        self._ddp_buckets: tuple[tuple[int, ...], ...] = ()  # to plan with; see _scatter_hook
         self._iteration = _Iteration()
-        self._reducer: _scatter_hook.BucketReducer | None = None  # set by bind_ddp
-        self._overlap_choice = overlap_param_sync
-        self._overlap: ParamSyncOverlap | None = None
-        self._gradient_path = GradientPath(self)
+        self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce,
+                                  overlap_param_sync=overlap_param_sync, bucket_view=self.parameters_as_bucket_view)
         self._ready = True
 
-    # -- params --------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         if getattr(self, "_ready", False):
@@ -282,11 +214,15 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     @property
     def gradient_path(self) -> GradientPath:
         """What the gradient path reaches (docs/architecture.md, "The gradient path's protocol")."""
-        return self._gradient_path
+        return self._grad
 
     def _live(self) -> Partition | None:
         """The partition the next step uses unchanged, or None when it must be rebuilt after a load."""
         return None if self._reload_due else self._partition
+
+    def _gradient_facts(self) -> tuple[ParamTable, Layout | None]:
+        live = self._live()
+        return self._table, None if live is None else live.layout
 
     # -- step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -310,18 +246,16 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if not self._iteration.grads_averaged:
             self.average_unreduced_grads()
         local_loss = self._partition.step(self.param_groups, kwargs)
-        self._partition.sync(self._comm, self._table.params, self._overlap)
+        self._partition.sync(self._comm, self._table.params, self._grad.overlap)
         self._iteration = _Iteration()
-        if self._reducer is not None:
-            self._reducer.step_taken()
+        self._grad.step_taken()
         self._lifecycle.stepped()
         return loss if loss is not None else local_loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
         self._iteration = _Iteration()
-        if self._reducer is not None:
-            self._reducer.step_taken()
+        self._grad.step_taken()
 
     def refresh_trainable(self) -> None:
         """Re-partition the current trainable set and move optimizer state. Collective."""
@@ -338,30 +272,15 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         part = self._partition
         intact = part is not None and part.views_intact(self._table.params)
         live = self._live()
-        need = force or live is None or mask != live.mask or not intact or live.layout.buckets != self._ddp_buckets
-        agree, anyone_needs = self._comm.agree(self._fingerprint_of(mask, fresh=not intact), need)
-        if not agree:
-            raise self._table.disagreement(self._comm.all_gather_object(self._table.agreement_items(mask)))
-        if anyone_needs:
+        need = force or live is None or mask != live.mask or not intact or live.layout.buckets != self._grad.wanted_buckets
+        if self._table.agree(self._comm, mask, need=need, fresh=not intact):
             self.wait_param_sync()
             self._rebuild()
-
-    def _fingerprint_of(self, mask: tuple[bool, ...], fresh: bool) -> int:
-        if fresh or self._fingerprint is None or self._fingerprint[0] != mask:
-            self._fingerprint = (mask, self._table.fingerprint(mask))
-        return self._fingerprint[1]
-
-    def _check_agreement(self) -> None:
-        """Before a checkpoint collective: raise on every rank unless all hold the same params."""
-        mask = self._table.mask()
-        agree, _ = self._comm.agree(self._table.fingerprint(mask))
-        if not agree:
-            raise self._table.disagreement(self._comm.all_gather_object(self._table.agreement_items(mask)))
 
     def _rebuild(self) -> None:
         self._table.check_materialized()
         layout = plan_layout(self._table.specs(), world_size=self._comm.world_size, shard=self.shard,
-                             buckets=self._ddp_buckets)
+                             buckets=self._grad.wanted_buckets)
         self._partition, parked = rebuild(
             self._partition, self._lifecycle.parked, self._table, layout, self._comm, moved=self._reload_due,
             optimizer_class=self.optimizer_class, param_groups=self.param_groups,
@@ -369,31 +288,21 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         )
         self._lifecycle.park(parked)
         self._reload_due = False
-        if self._ddp_reduced is None:
-            self.mark_ddp_reduced()
+        self._grad.mark_reduced(self._table.mask(), keep=True)
         self.rebuilds += 1
 
-    def _holdings(self) -> Holdings:
-        """All state this rank holds: its partition's pieces' and the parked."""
-        held: Holdings = {i: list(hs) for i, hs in self._lifecycle.parked.items()}
-        if self._partition is not None:
-            for i, hs in self._partition.holdings().items():
-                held.setdefault(i, []).extend(hs)
-        for hs in held.values():
-            hs.sort(key=lambda h: h.start)
-        return held
+    def _holdings(self) -> Holdings:  # all this rank holds: its pieces' state and the parked
+        return all_holdings(self._lifecycle.parked, self._partition)
 
     # -- gradients DDP does not reduce (see docs/architecture.md, "Unreduced gradients")
     def mark_ddp_reduced(self) -> None:
         """Record that DDP reduces exactly the params trainable now: call it when DDP has
         just been built. Without a call, the set trainable at the first step is taken."""
-        self._ddp_reduced = self._table.mask()
+        self._grad.mark_reduced(self._table.mask())
 
     def unreduced_params(self) -> list[torch.Tensor]:
         """The params DDP never reduces (frozen when it was built): hf_zero averages their grads."""
-        if self._ddp_reduced is None:
-            self.mark_ddp_reduced()
-        return [p for p, reduced in zip(self._table.params, self._ddp_reduced) if not reduced]
+        return self._grad.unreduced(self._table)
 
     def average_unreduced_grads(self) -> None:
         """Average over ranks the grads of trainable params DDP does not reduce. Collective.
@@ -432,58 +341,32 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         path then leaves out its per-backward agreement on non-finite grads (a pass over
         the owned grads, a scalar all-reduce and, on GPUs, a host sync). Idempotent.
         """
-        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-            raise TypeError(f"bind_ddp needs a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
-        if grad_reduce_default not in GRAD_REDUCE[1:]:
-            raise ValueError(f"grad_reduce_default must be one of {GRAD_REDUCE[1:]}, got {grad_reduce_default!r}")
+        self._grad.bind(ddp, grad_reduce_default=grad_reduce_default, overlap_default=overlap_default,
+                        syncs_every_backward=syncs_every_backward, grad_scaler=grad_scaler)
         self.mark_ddp_reduced()
-        overlap = self._overlap_choice if self._overlap_choice is not None else overlap_default
-        if overlap and self._comm.world_size > 1:
-            if self.parameters_as_bucket_view:
-                self._overlap = self._overlap or ParamSyncOverlap()
-                self._overlap.attach(ddp.module)
-                self._comm.own_sync_group()  # [Note: a group for the overlapped sync]
-            else:
-                logger.warning("hf_zero: overlap_param_sync needs parameters_as_bucket_view=True; syncing in the step")
-        if self.grad_reduce == "auto":
-            self.grad_reduce = grad_reduce_default
-        if self.grad_reduce == "reduce_scatter" and self._reducer is None and self._comm.world_size > 1:
-            reason = None
-            if syncs_every_backward:
-                reason = "gradient accumulation syncs every micro-batch (sync_each_batch), which needs full grads"
-            elif not self._comm.same_group(ddp.process_group):
-                reason = "DistributedDataParallel runs over another process group than this optimizer"
-            else:
-                attached = _scatter_hook.attach(ddp, self._gradient_path)
-                if isinstance(attached, str):
-                    reason = attached
-                else:
-                    self._reducer = attached
-            if reason is not None:
-                logger.warning("hf_zero: grad_reduce='reduce_scatter' is off, DDP all-reduces the grads: %s", reason)
-                self.grad_reduce = "all_reduce"
-        if self._reducer is not None:
-            self._reducer.agree_on_finite = grad_scaler
+
+    @property
+    def grad_reduce(self) -> str:
+        """``"auto"`` until :meth:`bind_ddp` resolves it, then ``"all_reduce"`` or ``"reduce_scatter"``."""
+        return self._grad.grad_reduce
 
     @property
     def overlaps_param_sync(self) -> bool:
         """Whether the parameter sync after a step runs while the next forward starts."""
-        return self._overlap is not None
+        return self._grad.overlap is not None
 
     def wait_param_sync(self) -> None:
         """Wait for an overlapped parameter sync still in flight (a no-op otherwise), so
         every param is complete. Not a collective: each rank waits for its own."""
-        if self._overlap is not None:
-            self._overlap.drain()
+        self._grad.wait()
 
     def _clip_args(self, parameters, what: str) -> tuple[set[int], list, set[int]]:
-        """(chosen indices, this rank's pieces, the params whose grads are partial), after
-        averaging the grads DDP does not reduce."""
+        """(chosen, this rank's pieces, the partial grads), after averaging the unreduced grads."""
         chosen = self._table.selected(parameters, what)
         if not self._iteration.grads_averaged:
             self.average_unreduced_grads()
-        partial = self._reducer.partial_grads if self._reducer is not None else set()
-        return chosen, self._norm_pieces(), partial
+        pieces = _clip.norm_pieces(self._table, self._comm, self.shard, self._live())
+        return chosen, pieces, self._grad.partial_grads
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -511,18 +394,6 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         for g in _clip.valid_grads(self._table, chosen, pieces, partial):
             g.clamp_(-clip_value, clip_value)
 
-    def _norm_pieces(self) -> list:
-        """The elements this rank counts in a sharded norm: its pieces, planned afresh
-        (no collective: every rank has the same trainable set) when trainability changed
-        since the last step. The DDP buckets stay those of the current layout, whose
-        ranges the grads were reduce-scattered into; other grads are whole on every rank."""
-        live = self._live()
-        if live is not None and self._table.mask() == live.mask:
-            return live.owned()
-        buckets = live.layout.buckets if live is not None else ()
-        layout = plan_layout(self._table.specs(), world_size=self._comm.world_size, shard=self.shard, buckets=buckets)
-        return layout.pieces(self._comm.rank)
-
     # -- Join ------------------------------------------------------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """For :class:`~torch.distributed.algorithms.join.Join`: a rank out of inputs keeps
@@ -537,42 +408,21 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def join_process_group(self) -> Any:
         return self._comm.process_group
 
-    # -- views and stats -----------------------------------------------------------------
     def release_views(self) -> None:
         """Give every param that shares its storage with another its own storage, for
         savers that reject shared storage. The next step rebuilds the buffers from the
         params' current values on every rank (no optimizer state moves)."""
         self.wait_param_sync()
-        shared: dict[int, int] = {}
-        for p in self._table.params:
-            key = p.untyped_storage().data_ptr()
-            shared[key] = shared.get(key, 0) + 1
-        for p in self._table.params:
-            if shared[p.untyped_storage().data_ptr()] > 1:
-                p.data = p.data.clone()
+        self._table.release_shared_storage()
 
     def stats(self) -> dict[str, Any]:
-        """Per-rank trainable elements owned, optimizer-state bytes and fp32 master-weight
-        bytes held (apart: ``master_bytes_per_rank``), and the rebuild count. Collective
-        (one small object exchange)."""
-        elements = 0 if self._partition is None else sum(pc.numel for pc in self._partition.owned())
-        state_bytes = sum(
-            v.numel() * v.element_size()
-            for hs in self._holdings().values()
-            for h in hs
-            for k, v in h.state.items()
-            if isinstance(v, torch.Tensor) and k != MASTER_KEY
-        )
-        parked_masters = sum(h.state[MASTER_KEY].numel() * 4 for hs in self._lifecycle.parked.values()
-                             for h in hs if MASTER_KEY in h.state)
-        master_bytes = parked_masters + (0 if self._partition is None else self._partition.master_bytes())
-        per_rank = self._comm.all_gather_object((elements, state_bytes, master_bytes))
-        return {
-            "rebuilds": self.rebuilds,
-            "elements_per_rank": [e for e, _, _ in per_rank],
-            "state_bytes_per_rank": [b for _, b, _ in per_rank],
-            "master_bytes_per_rank": [m for _, _, m in per_rank],
-        }
+        """Per-rank trainable elements owned, optimizer-state bytes and fp32 master bytes
+        (apart), and the rebuild count. Collective (one small object exchange)."""
+        owned = [] if self._partition is None else self._partition.owned()
+        parked = sum(h.state[MASTER_KEY].numel() * 4 for hs in self._lifecycle.parked.values()
+                     for h in hs if MASTER_KEY in h.state)
+        live = parked + (0 if self._partition is None else self._partition.master_bytes())
+        return _lifecycle.rank_stats(self._comm, self.rebuilds, owned, self._holdings(), live)
 
     # -- state dict ------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0, *, device: str | torch.device | None = None) -> None:
@@ -588,9 +438,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"to must be a rank in [0, {self._comm.world_size}), got {to}")
         self._lifecycle.check_pending()
-        self._check_agreement()
-        target = None if device is None else torch.device(device)
-        self._lifecycle.consolidated(_lifecycle.consolidate(self._comm, self._table, self._holdings(), to, target))
+        self._table.check_agreement(self._comm)
+        self._lifecycle.consolidated(_lifecycle.consolidate(self._comm, self._table, self._holdings(), to, device))
 
     def state_dict(self) -> dict:
         """A dict a plain ``optimizer_class`` over the same params would return.
@@ -608,20 +457,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         state = self._lifecycle.state(self._comm.world_size, lambda: self.consolidate_state_dict(0))
         if _sharded.is_reference(state):
             return state
-        return {"state": state, "param_groups": self._packed_groups(encode_values=False)}
-
-    def _packed_groups(self, encode_values: bool) -> list[dict]:
-        index, groups = 0, []
-        for gi, g in enumerate(self.param_groups):
-            packed = {
-                k: encode(v, f"param group {gi} {k!r}") if encode_values else v
-                for k, v in g.items()
-                if k != "params"
-            }
-            packed["params"] = list(range(index, index + len(g["params"])))
-            index += len(g["params"])
-            groups.append(packed)
-        return groups
+        return {"state": state, "param_groups": _lifecycle.packed_groups(self.param_groups, encode_values=False)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full (PyTorch-format) state dict; each rank keeps what it owns.
@@ -636,34 +472,14 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if _sharded.is_reference(state_dict):
             self._lifecycle.expect_reference(_sharded.reference_info(state_dict))
             return
-        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), ShardedState):
-            problems = group_problems(self, [len(g["params"]) for g in state_dict.get("param_groups", [])])
-            if problems:
-                raise mismatch_error("the loaded state dict", problems)
-            if not self._lifecycle.holds_own_handle(state_dict["state"]):
-                raise ValueError(
-                    "hf_zero: this state dict holds unconsolidated sharded state of another optimizer, or of "
-                    "this one before its state changed, and cannot be loaded: consolidate_state_dict() first"
-                )
-            self._adopt_loaded(saved_hyperparams(state_dict["param_groups"]), None)
-            return
-        by_index = check_state_dict(self, state_dict)
-        table = self._table
-
-        def read(i, start, stop, piece_shape):
-            if i not in by_index:
-                return None
-            return split_canonical(by_index[i], table.params[i].shape, start, stop, piece_shape, table.label(i))
-
-        held = _lifecycle.place(self._comm, table, self.shard, self.param_groups, read, masters=self.master_weights)
-        self._adopt_loaded(saved_hyperparams(state_dict["param_groups"]), held, has_state=bool(by_index))
+        hyper, held, has_state = self._lifecycle.read_state_dict(self, self._comm, self._table, state_dict)
+        self._adopt_loaded(hyper, held, has_state=has_state)
 
     def _adopt_loaded(self, hyper: list[dict], held: Holdings | None, has_state: bool = False) -> None:
         """Take loaded hyperparameters and this rank's loaded state (None: keep the current state)."""
         for mine, hp in zip(self.param_groups, hyper):
             mine.update(hp)
-        # Every rank loads, and at the next step every rank rebuilds through
-        # redistribute: whether it has to must not depend on what this rank holds.
+        # Every rank rebuilds at the next step: that must not depend on what this rank holds.
         self._reload_due = True
         if held is not None and self._partition is not None:
             self._partition = self._partition.emptied()
@@ -677,14 +493,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         Atomic: until it returns the directory keeps its previous checkpoint. See
         :mod:`hf_zero._sharded` for the format and ``hf-zero consolidate`` / ``inspect``.
         """
-        self._check_agreement()
+        self._table.check_agreement(self._comm)
         self._lifecycle.check_pending()
-        record = _lifecycle.sharded_record(
-            self._table, optimizer_class=class_name(self.optimizer_class), shard=self.shard,
-            world_size=self._comm.world_size, bucket_view=self.parameters_as_bucket_view,
-            param_groups=self._packed_groups(encode_values=True),
-        )
-        _sharded.write(self._comm, path, self._holdings(), self._table.checkpoint_labels(), record)
+        _lifecycle.write_sharded(self, self._comm, self._table, self._holdings(), path)
 
     def load_sharded(self, path: str | os.PathLike) -> None:
         """Load a sharded checkpoint written on any world size and shard mode. Collective.
@@ -692,24 +503,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         Each rank reads only the ranges it will own. A checkpoint of another model or
         optimizer class raises ``ValueError`` listing the mismatches; nothing changes.
         """
-        self._check_agreement()
-        failure: BaseException | None = None
-        try:
-            with _sharded.Checkpoint(path) as ckpt:
-                mapping = match_checkpoint(self, ckpt)
-                groups = [{k: decode(v) for k, v in g.items() if k != "params"} for g in ckpt.record["param_groups"]]
-                held = _lifecycle.place(self._comm, self._table, self.shard, self.param_groups,
-                                        lambda i, start, stop, shape: ckpt.read(mapping[i], start, stop, shape),
-                                        masters=self.master_weights)
-                has_state = ckpt.has_state()
-        except Exception as e:  # every rank must reach the exchange below
-            failure = e
-        report = None if failure is None else f"rank {self._comm.rank}: {type(failure).__name__}: {failure}"
-        reports = [r for r in self._comm.all_gather_object(report) if r]
-        if failure is not None:
-            raise failure
-        if reports:
-            raise RuntimeError("hf_zero: load_sharded failed on another rank, nothing was loaded:\n  " + "\n  ".join(reports))
+        self._table.check_agreement(self._comm)
+        groups, held, has_state = _lifecycle.read_sharded(self, self._comm, self._table, path)
         self._adopt_loaded(groups, held, has_state=has_state)
 
     def load_sharded_if_present(self, path: str | os.PathLike) -> bool:
@@ -735,10 +530,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         it; return that directory (None when nothing is pending). Collective; raises,
         on every rank, naming the directories looked in when no rank-wide agreed one
         holds it."""
-        ref = self._lifecycle.pending
-        if self._comm.world_size == 1 and ref is None:
-            return None
-        found = _lifecycle.find_pending(self._comm, ref, candidates)
+        found = _lifecycle.find_pending(self._comm, self._lifecycle.pending, candidates)
         if found is not None:
             self.load_sharded(found)
         return found

@@ -56,6 +56,7 @@ class ParamTable:
         )
         self.group_of: tuple[int, ...] = tuple(gi for gi, g in enumerate(param_groups) for _ in g["params"])
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        self._fingerprint: tuple[tuple[bool, ...], int] | None = None  # (mask, its fingerprint)
 
     def __len__(self) -> int:
         return len(self.params)
@@ -110,13 +111,36 @@ class ParamTable:
                 chosen.add(i)
         return chosen
 
+    def release_shared_storage(self) -> None:
+        """Give every param that shares its storage with another its own storage."""
+        shared: dict[int, int] = {}
+        for p in self.params:
+            key = p.untyped_storage().data_ptr()
+            shared[key] = shared.get(key, 0) + 1
+        for p in self.params:
+            if shared[p.untyped_storage().data_ptr()] > 1:
+                p.data = p.data.clone()
+
     # -- agreement across ranks ------------------------------------------------------
     def agreement_items(self, mask: tuple[bool, ...]) -> list:
         """What every rank must hold alike: each param's shape, dtype, device type, trainability."""
         return [(tuple(p.shape), str(p.dtype), p.device.type, m) for p, m in zip(self.params, mask)]
 
-    def fingerprint(self, mask: tuple[bool, ...]) -> int:
-        return fingerprint(self.agreement_items(mask))
+    def agree(self, comm, mask: tuple[bool, ...], *, need: bool, fresh: bool) -> bool:
+        """Check that every rank holds the same params (shapes, dtypes, devices) with the same
+        ``mask``, raising the same error on every rank naming the first that differs; returns
+        whether any rank passed ``need``. Collective (one 24-byte all-reduce). ``fresh``: the
+        params' storage may have been replaced since the last call (recompute the fingerprint)."""
+        if fresh or self._fingerprint is None or self._fingerprint[0] != mask:
+            self._fingerprint = (mask, fingerprint(self.agreement_items(mask)))
+        agree, anyone_needs = comm.agree(self._fingerprint[1], need)
+        if not agree:
+            raise self.disagreement(comm.all_gather_object(self.agreement_items(mask)))
+        return anyone_needs
+
+    def check_agreement(self, comm) -> None:
+        """Before a checkpoint collective: raise on every rank unless all hold the same params."""
+        self.agree(comm, self.mask(), need=False, fresh=True)
 
     def disagreement(self, everyone: list[list]) -> RuntimeError:
         """The error naming the first param the ranks' :meth:`agreement_items` differ on."""

@@ -228,6 +228,17 @@ def _placed(state: dict, tensor: torch.Tensor) -> dict:
     return out
 
 
+def all_holdings(parked: Holdings, partition: Partition | None) -> Holdings:
+    """All state this rank holds: ``parked`` and ``partition``'s pieces', sorted by start."""
+    held: Holdings = {i: list(hs) for i, hs in parked.items()}
+    if partition is not None:
+        for i, hs in partition.holdings().items():
+            held.setdefault(i, []).extend(hs)
+    for hs in held.values():
+        hs.sort(key=lambda h: h.start)
+    return held
+
+
 def piece_shape(table: ParamTable, shard: str, i: int, start: int, stop: int) -> tuple[int, ...]:
     """The shape the local optimizer steps elements ``start:stop`` of param ``i`` as."""
     return tuple(table.params[i].shape) if shard == "param" else (stop - start,)
@@ -240,12 +251,7 @@ def rebuild(previous: Partition | None, parked: Holdings, table: ParamTable, lay
     (frozen or loaded, not yet placed). Collective. Returns it and the state that stays
     parked (that of params outside the layout). ``moved``: whether state may have to
     change hands (else, with an unchanged layout, every rank keeps what it holds)."""
-    held: Holdings = {i: list(hs) for i, hs in parked.items()}
-    if previous is not None:
-        for i, hs in previous.holdings().items():
-            held.setdefault(i, []).extend(hs)
-    for hs in held.values():
-        hs.sort(key=lambda h: h.start)
+    held = all_holdings(parked, previous)
     trainable = {i for i, p in enumerate(table.params) if p.requires_grad}
     if not moved and previous is not None and layout == previous.layout and not trainable & set(parked):
         new_held = {i: hs for i, hs in held.items() if i in trainable}

@@ -25,7 +25,9 @@ LAYERS = [
     "_offline",
     "_overlap",
     "_scatter_hook",
+    "_gradpath",
     "_clip",
+    "_masters",
     "_partition",
     "_lifecycle",
     "_optimizer",
@@ -159,3 +161,59 @@ def test_no_private_attribute_of_another_object(name):
 def test_no_stack_frame_reading():
     text = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
     assert not re.search(r"_getframe|currentframe|inspect\.stack|\bf_locals\b|\bf_back\b", text)
+
+
+DOCS = PACKAGE.parent / "docs" / "architecture.md"
+MAX_CLASS_LINES = 440
+
+
+def _section(title: str) -> str:
+    text = DOCS.read_text()
+    start = text.index(title)
+    end = text.find("\n## ", start + len(title))
+    return text[start : end if end != -1 else len(text)]
+
+
+def _documented(title: str) -> set[str]:
+    """Member names in the first column of the tables under ``title``."""
+    names = set()
+    for line in _section(title).splitlines():
+        if line.startswith("| `"):
+            first = line.split("|")[1]
+            names.update(re.findall(r"`([A-Za-z_][A-Za-z0-9_]*)", first))
+    return names
+
+
+def test_public_members_of_the_optimizer_are_the_documented_protocol():
+    import torch
+    from torch.distributed.algorithms.join import Joinable
+
+    from hf_zero import ZeroBucketOptimizer
+
+    opt = ZeroBucketOptimizer([torch.nn.Parameter(torch.zeros(2))], torch.optim.SGD, lr=0.1)
+    torch_api = set(dir(torch.optim.Optimizer)) | set(dir(Joinable)) | {"defaults", "param_groups", "state"}
+    public = {n for n in dir(opt) if not n.startswith("_")} - torch_api
+    undocumented = public - _documented("## The protocol")
+    assert undocumented == set(), f"public members missing from docs/architecture.md's protocol: {sorted(undocumented)}"
+
+
+def test_the_gradient_path_reaches_only_its_documented_protocol():
+    from hf_zero._gradpath import GradientPath
+
+    documented = _documented("### The gradient path's protocol")
+    used = set()
+    for node in ast.walk(MODULES["_scatter_hook"]):  # calls on the optimizer side: `opt.x` and `optimizer.x`
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("opt", "optimizer"):
+            used.add(node.attr)
+    assert used and used <= documented, f"_scatter_hook reaches undocumented members: {sorted(used - documented)}"
+    assert documented <= set(dir(GradientPath)) | {"comm"}
+
+
+def test_no_class_is_too_long():
+    long = [
+        f"hf_zero.{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name, tree in MODULES.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
+    ]
+    assert long == [], f"classes above {MAX_CLASS_LINES} lines (split them into collaborators): {long}"

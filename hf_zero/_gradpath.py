@@ -1,0 +1,142 @@
+"""The optimizer's side of the gradient path: what DDP's comm hook may reach.
+
+[Note: gradient path protocol]
+``_scatter_hook.py`` (the DDP comm hook that reduce-scatters each bucket into its owners)
+and the overlapped parameter sync (``_overlap.py``) see the optimizer only through a
+:class:`GradientPath`: the params and their indices, the current layout, the DDP bucket
+structure to plan the next layout with, and each bucket's rank bounds. It also owns the
+choices made when DDP is bound (all-reduce or reduce-scatter, overlap or not), the comm
+hook's state and the overlap. It holds the optimizer only through weak callables: DDP
+keeps the hook's state alive, which must not keep the optimizer alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from . import _scatter_hook
+from ._comm import Comm
+from ._layout import Layout
+from ._overlap import ParamSyncOverlap
+
+GRAD_REDUCE = ("auto", "all_reduce", "reduce_scatter")
+
+logger = logging.getLogger(__name__)
+
+
+class GradientPath:
+    """See [Note: gradient path protocol]. ``facts``: the optimizer's (held weakly) param
+    table and current layout; ``grad_reduce`` / ``overlap_param_sync``: its constructor's."""
+
+    def __init__(self, comm: Comm, *, facts: Callable[[], tuple], grad_reduce: str,
+                 overlap_param_sync: bool | None, bucket_view: bool):
+        self.comm = comm
+        self.grad_reduce = grad_reduce
+        self._facts = weakref.WeakMethod(facts)  # () -> (ParamTable, current Layout or None)
+        self._overlap_choice = overlap_param_sync
+        self._bucket_view = bucket_view
+        self.wanted_buckets: tuple[tuple[int, ...], ...] = ()  # to plan the next layout with
+        self.ddp_reduced: tuple[bool, ...] | None = None  # which params DDP reduces
+        self.reducer: _scatter_hook.BucketReducer | None = None
+        self.overlap: ParamSyncOverlap | None = None
+
+    # -- the protocol _scatter_hook uses ------------------------------------------------
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """Every param, in the optimizer's order."""
+        return self._facts()()[0].params
+
+    def param_index(self, param: torch.Tensor) -> int | None:
+        """``param``'s index in :attr:`params`, or None when it is not one of them."""
+        return self._facts()()[0].index(param)
+
+    @property
+    def layout(self) -> Layout | None:
+        """The current layout (buffers and each rank's ranges); None before the first step."""
+        return self._facts()()[1]
+
+    def plan_with_ddp_buckets(self, buckets: tuple[tuple[int, ...], ...]) -> None:
+        """Lay the buffers out after these DDP buckets (param indices, in bucket order)
+        from the next re-partition on (the next step notices). Same on every rank."""
+        self.wanted_buckets = tuple(tuple(b) for b in buckets)
+
+    def ddp_buckets_planned(self) -> tuple[tuple[int, ...], ...] | None:
+        """The DDP buckets the current layout follows (None before the first step)."""
+        layout = self.layout
+        return None if layout is None else layout.buckets
+
+    def bucket_bounds(self, composition: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Rank bounds of the buffer mirroring the DDP bucket of these params, or None."""
+        layout = self.layout
+        if layout is None or self.grad_reduce != "reduce_scatter":
+            return None
+        for k, bucket in enumerate(layout.buckets):
+            if bucket == composition:
+                b = layout.bucket_buffer(k)
+                return None if b is None else layout.buffers[b].bounds
+        return None
+
+    # -- what the optimizer asks ----------------------------------------------------------
+    @property
+    def partial_grads(self) -> set[int]:
+        """Params whose grads hold the average only in this rank's ranges until the next step."""
+        return self.reducer.partial_grads if self.reducer is not None else set()
+
+    def mark_reduced(self, mask: tuple[bool, ...], *, keep: bool = False) -> None:
+        """DDP reduces the params trainable in ``mask`` (``keep``: unless already recorded)."""
+        if not (keep and self.ddp_reduced is not None):
+            self.ddp_reduced = mask
+
+    def unreduced(self, table) -> list[torch.Tensor]:
+        """The params DDP never reduces (frozen when it was built; default: now)."""
+        if self.ddp_reduced is None:
+            self.mark_reduced(table.mask())
+        return [p for p, reduced in zip(table.params, self.ddp_reduced) if not reduced]
+
+    def step_taken(self) -> None:
+        if self.reducer is not None:
+            self.reducer.step_taken()
+
+    def wait(self) -> None:
+        if self.overlap is not None:
+            self.overlap.drain()
+
+    def bind(self, ddp, *, grad_reduce_default: str, overlap_default: bool, syncs_every_backward: bool,
+             grad_scaler: bool) -> None:
+        """The body of ``ZeroBucketOptimizer.bind_ddp`` (documented there)."""
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(f"bind_ddp needs a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
+        if grad_reduce_default not in GRAD_REDUCE[1:]:
+            raise ValueError(f"grad_reduce_default must be one of {GRAD_REDUCE[1:]}, got {grad_reduce_default!r}")
+        overlap = self._overlap_choice if self._overlap_choice is not None else overlap_default
+        if overlap and self.comm.world_size > 1:
+            if self._bucket_view:
+                self.overlap = self.overlap or ParamSyncOverlap()
+                self.overlap.attach(ddp.module)
+                self.comm.own_sync_group()  # [Note: a group for the overlapped sync]
+            else:
+                logger.warning("hf_zero: overlap_param_sync needs parameters_as_bucket_view=True; syncing in the step")
+        if self.grad_reduce == "auto":
+            self.grad_reduce = grad_reduce_default
+        if self.grad_reduce == "reduce_scatter" and self.reducer is None and self.comm.world_size > 1:
+            reason = None
+            if syncs_every_backward:
+                reason = "gradient accumulation syncs every micro-batch (sync_each_batch), which needs full grads"
+            elif not self.comm.same_group(ddp.process_group):
+                reason = "DistributedDataParallel runs over another process group than this optimizer"
+            else:
+                attached = _scatter_hook.attach(ddp, self)
+                if isinstance(attached, str):
+                    reason = attached
+                else:
+                    self.reducer = attached
+            if reason is not None:
+                logger.warning("hf_zero: grad_reduce='reduce_scatter' is off, DDP all-reduces the grads: %s", reason)
+                self.grad_reduce = "all_reduce"
+        if self.reducer is not None:
+            self.reducer.agree_on_finite = grad_scaler
+
