@@ -25,7 +25,7 @@ from ._overlap import ParamSyncOverlap
 
 GRAD_REDUCE = ("auto", "all_reduce", "reduce_scatter")
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("hf_zero._optimizer")  # where these warnings were always logged (users filter on it)
 
 
 class GradientPath:
