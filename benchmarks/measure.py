@@ -1,77 +1,12 @@
-"""Measuring tools used inside each rank: collective counts, peak memory, timings."""
+"""Measuring tools used inside each rank of the step suite: memory, state bytes, timings."""
 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-
-from ._common import WrappedCollectives
-
-class CollectiveCounter(WrappedCollectives):
-    """Counts outermost collective calls and the bytes of the tensors they move.
-
-    A collective built from others (``all_gather_object``) counts once; its bytes
-    are those of the tensor collectives inside it. Bytes are the payload one call
-    names (the broadcast tensor, the gathered output), not wire traffic.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.calls: dict[str, int] = {}
-        self.bytes = 0
-        self._local = threading.local()
-
-    def reset(self) -> None:
-        self.calls, self.bytes = {}, 0
-
-    @contextmanager
-    def counting(self):
-        self.active = True
-        try:
-            yield self
-        finally:
-            self.active = False
-
-    def summary(self, steps: int) -> dict:
-        n = max(steps, 1)
-        return {
-            "collectives_per_step": sum(self.calls.values()) / n,
-            "by_kind_per_step": {k: v / n for k, v in sorted(self.calls.items())},
-            "bytes_per_step": self.bytes / n,
-        }
-
-    def _wrap(self, name, fn):
-        def wrapper(*args, **kwargs):
-            depth = getattr(self._local, "depth", 0)
-            if self.active:
-                if depth == 0:
-                    self.calls[name] = self.calls.get(name, 0) + 1
-                self.bytes += _payload(name, args, kwargs)
-            self._local.depth = depth + 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._local.depth = depth
-
-        wrapper.__wrapped__ = fn
-        return wrapper
-
-
-def _payload(name, args, kwargs) -> int:
-    if name.endswith("_object") or name.endswith("_object_list"):
-        return 0  # counted through the tensor collectives inside
-    first = args[0] if args else next(iter(kwargs.values()), None)
-    if name in ("all_gather", "gather", "all_to_all") and isinstance(first, (list, tuple)):
-        return sum(t.numel() * t.element_size() for t in first if isinstance(t, torch.Tensor))
-    if isinstance(first, torch.Tensor):
-        return first.numel() * first.element_size()
-    tensor = kwargs.get("tensor") or kwargs.get("output_tensor") or kwargs.get("output")
-    return tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
 
 
 def _status_kib(field: str) -> int:

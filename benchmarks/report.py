@@ -139,11 +139,6 @@ def targets(results: dict) -> list[dict]:
                 met = value <= bound if op == "<=" else value >= bound
                 out.append({"model": model, "optimizer": kind, "target": label, "value": round(value, 3),
                             "bound": f"{op} {bound}", "met": met})
-    t = results.get("trainer", {})
-    if t.get("measured"):
-        ratio = t["samples_per_s"]["zero_bucket"] / t["samples_per_s"]["adamw_torch"]
-        out.append({"model": t["model"], "optimizer": "Trainer zero_bucket", "target": "throughput / adamw_torch",
-                    "value": round(ratio, 3), "bound": ">= 0.95", "met": ratio >= 0.95})
     return out
 
 
@@ -229,16 +224,6 @@ def markdown(results: dict) -> str:
         + ", ".join(f"{k} {v:.1f} ms" for k, v in raw.items() if k != "elements") + ".",
         "",
     ]
-    t = results.get("trainer", {})
-    lines.append("### Trainer throughput (2 processes)")
-    lines.append("")
-    if t.get("measured"):
-        lines += [f"Model {t['model']}; {t['detail']}", "", "| optim | samples/s |", "|---|---|"]
-        for k, v in t["samples_per_s"].items():
-            lines.append(f"| {k} | {v:.2f} |")
-    else:
-        lines.append(f"**Not measured**: {t.get('why', 'unknown')}.")
-    lines.append("")
     lines += ["### Targets", "", f"Checked for hf_zero's default with AdamW ({TARGET_OPTIMIZER}: shard flat, bucket views); "
               "the other variants are in the tables above.", "", "| model | optimizer | target | value | bound | met |", "|---|---|---|---|---|---|"]
     for x in results["targets"]:

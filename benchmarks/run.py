@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks import _common, report, trainer_bench  # noqa: E402
+from benchmarks import _common, report  # noqa: E402
 from benchmarks.suite import OPTIMIZERS, bench_rank  # noqa: E402
-from benchmarks._ranks import run_ranks  # noqa: E402
+from tests._dist import run_ranks  # noqa: E402
 
 FULL = {
     "models": {
@@ -66,11 +66,9 @@ def main(argv=None) -> int:
     parser.add_argument("--docs", default=None,
                         help="markdown file whose generated section is rewritten "
                              "(default: docs/benchmarks.md for a full run, none for --smoke)")
-    parser.add_argument("--skip-trainer", action="store_true", help="leave out the Trainer throughput section")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     cfg = dict(SMOKE if args.smoke else FULL)
-    cfg["trainer"] = None if args.skip_trainer else (trainer_bench.SMOKE if args.smoke else trainer_bench.FULL)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -78,10 +76,6 @@ def main(argv=None) -> int:
     env["smoke"] = args.smoke
     ranks = run_ranks(bench_rank, WORLD_SIZE, cfg, timeout=cfg["timeout_s"])
     results = report.analyse(ranks, cfg, env)
-    if args.skip_trainer:
-        results["trainer"] = {"measured": False, "why": "run with --skip-trainer"}
-    else:
-        results["trainer"] = trainer_bench.summarise([r["trainer"] for r in ranks], cfg["trainer"])
     results["targets"] = report.targets(results)
 
     (out / "results.json").write_text(json.dumps(results, indent=2))

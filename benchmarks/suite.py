@@ -17,10 +17,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hf_zero import ZeroBucketOptimizer
 
-from . import trainer_bench
-from .measure import (
-    CollectiveCounter, barrier, peak_rss_mib, reset_peak_rss, rss_mib, state_bytes, time_calls,
-)
+from ._common import CollectiveCounter
+from .measure import barrier, peak_rss_mib, reset_peak_rss, rss_mib, state_bytes, time_calls
 
 LR = 1e-4
 
@@ -74,16 +72,12 @@ def _set_grads(named, grads):
 def bench_rank(rank: int, world_size: int, cfg: dict) -> dict:
     """Run every section on this rank; returns raw per-rank measurements."""
     counter = CollectiveCounter()
-    counter.install()
     out = {"rank": rank, "models": {}}
     try:
         for model_name, spec in cfg["models"].items():
             out["models"][model_name] = _bench_model(spec, cfg, counter, rank, world_size)
             gc.collect()
         out["sync_limits"] = _sync_limits(cfg)
-        if cfg.get("trainer"):
-            gc.collect()
-            out["trainer"] = trainer_bench.trainer_rank(rank, world_size, cfg["trainer"])
     finally:
         counter.uninstall()
     return out
@@ -125,16 +119,17 @@ def _bench_model(spec, cfg, counter, rank, world_size) -> dict:
         for kind in random.Random(i).sample(kinds, len(kinds)):
             opt, _, set_grads = live[kind]
             set_grads()
-            counter.reset()
             barrier()
-            with counter.counting():
+            with counter.recording():
                 t0 = time.perf_counter()
                 opt.step()
                 dt = time.perf_counter() - t0
             r = res["optimizers"][kind]
             r["step_s"].append(dt)
-            for k, v in counter.summary(1).items():
-                r.setdefault(k, v)
+            c = counter.summary()
+            r.setdefault("collectives_per_step", c["collectives"])
+            r.setdefault("by_kind_per_step", c["by_kind"])
+            r.setdefault("bytes_per_step", c["payload_bytes"])
     for kind in kinds:
         opt, named, set_grads = live[kind]
         if kind.startswith("hf_zero"):
