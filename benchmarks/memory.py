@@ -295,6 +295,27 @@ def figures(res: dict, out: Path) -> list[Path]:
     return written
 
 
+def _measure(mem_rows: list[str], prec_rows: list[str], cfg: dict, *, one_spawn: bool) -> tuple[dict, dict]:
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when each rank starts
+    memory, precision = {}, {}
+    try:
+        # A high-water mark is per process: each memory row gets fresh ranks (all at once in a smoke run).
+        for group in ([mem_rows] if one_spawn else [[r] for r in mem_rows]):
+            if group:
+                per_rank = run_ranks(_memory_rank, WORLD_SIZE, group, cfg, timeout=cfg["timeout_s"])
+                memory.update({n: [r[n] for r in per_rank] for n in group})
+        if prec_rows:
+            per_rank = run_ranks(_precision_rank, WORLD_SIZE, prec_rows, cfg, timeout=cfg["timeout_s"])
+            precision = {k: [r[k] for r in per_rank] for k in per_rank[0]}
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    return memory, precision
+
+
 FULL = {"memory_model": GPT2_124M, "seq": 64, "steps": 6, "precision_model": TINY_LM, "precision_steps": 200,
         "lr": 1e-5, "seeds": [0], "timeout_s": 1800}
 SMOKE = {"memory_model": SMOKE_LM, "seq": 16, "steps": 2, "precision_model": SMOKE_LM, "precision_steps": 3,
@@ -326,20 +347,10 @@ def main(argv=None) -> int:
         rows = args.rows or [*MEMORY_ROWS, *PRECISION_ROWS]
         mem_rows = [r for r in rows if r in MEMORY_ROWS]
         prec_rows = [r for r in rows if r in PRECISION_ROWS]
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when each rank starts
         env = environment(" ".join(["python -m benchmarks.memory", *argv]), smoke=args.smoke,
                           master_weights=master_weights_supported())
         t0 = time.monotonic()
-        memory = {}
-        # A high-water mark is per process: each memory row gets fresh ranks (all at once in a smoke run).
-        for group in ([mem_rows] if args.smoke else [[r] for r in mem_rows]):
-            if group:
-                per_rank = run_ranks(_memory_rank, WORLD_SIZE, group, cfg, timeout=cfg["timeout_s"])
-                memory.update({n: [r[n] for r in per_rank] for n in group})
-        precision = {}
-        if prec_rows:
-            per_rank = run_ranks(_precision_rank, WORLD_SIZE, prec_rows, cfg, timeout=cfg["timeout_s"])
-            precision = {k: [r[k] for r in per_rank] for k in per_rank[0]}
+        memory, precision = _measure(mem_rows, prec_rows, cfg, one_spawn=args.smoke)
         env["wall_s"] = time.monotonic() - t0
         res = analyse(memory, precision, cfg, env)
         (out / "results.json").write_text(json.dumps(res, indent=2))
