@@ -1,1 +1,1 @@
-"""hf_zero benchmarks: ``python -m benchmarks.run`` (see README, "Benchmarks")."""
+"""hf_zero benchmarks: ``python -m benchmarks.e2e`` and ``python -m benchmarks.memory`` (docs/benchmarks.md)."""

@@ -1,9 +1,11 @@
-"""What every benchmark script shares: the run's environment record, the generated
-section of a markdown file, and wrapping ``torch.distributed``'s collectives."""
+"""What every benchmark shares: the run's environment record, the generated section of a
+markdown file, and the collective counter with its wire-byte model (the byte test's too)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import os
 import platform
 import subprocess
@@ -11,16 +13,6 @@ from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-# torch.distributed functions that move data between ranks. Wrapping the module
-# attributes catches hf_zero's and torch ZeRO's calls alike (both call ``dist.X``).
-COLLECTIVES = (
-    "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-    "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "all_to_all", "reduce", "gather",
-    "scatter", "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
-    "send", "recv", "isend", "irecv",
-)
-
 
 def environment(command: str, **extra) -> dict:
     """Where and when a run happened: date, command, checkout, CPU, load, versions; plus ``extra``."""
@@ -64,22 +56,81 @@ def replace_section(doc: Path, begin: str, end: str, md: str) -> None:
     doc.write_text(head + begin + "\n" + md + end + tail)
 
 
-class WrappedCollectives:
-    """Replaces ``torch.distributed``'s collectives in this process by ``self._wrap(name, fn)``
-    until :meth:`uninstall`; subclasses record what they need while ``active``."""
+# torch.distributed functions that move data between ranks. Wrapping the module attributes
+# catches hf_zero's and torch ZeRO's calls alike (both call ``dist.X``).
+COLLECTIVES = (
+    "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
+    "all_to_all", "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+    "reduce", "gather", "scatter", "gather_object", "scatter_object_list", "broadcast_object_list",
+    "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+)
+_ARG = {"all_gather_into_tensor": (1, "input_tensor"), "all_gather_single": (1, "input_tensor"),
+        "all_to_all_single": (1, "input"), "reduce_scatter_tensor": (1, "input"), "reduce_scatter_single": (1, "input")}
+
+
+def wire_bytes(name: str, args: tuple, kwargs: dict) -> tuple[int, float]:
+    """(payload, wire) of one collective call on this rank: the bytes of the tensor it contributes,
+    and the bytes it sends in the standard algorithms: ring all-reduce 2B(N-1)/N, reduce-scatter,
+    all-gather and pipelined broadcast B(N-1)/N (B: the whole tensor), all-to-all and sends exactly
+    what goes to other ranks, receives 0. Wire -1 where no model applies (object collectives)."""
+    import torch
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    i, key = _ARG.get(name, (0, "tensor"))
+    t = args[i] if len(args) > i else kwargs.get(key)
+    if not isinstance(t, torch.Tensor):
+        return 0, 0 if name in ("barrier", "monitored_barrier") else -1
+    if name == "all_to_all_single":
+        splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+        sent = t.nbytes * (world - 1) // world if not splits else \
+            sum(n for r, n in enumerate(splits) if r != rank) * t.element_size()
+        return t.nbytes, sent
+    if name == "all_reduce":
+        return t.nbytes, 2 * t.nbytes * (world - 1) / world
+    if name in ("all_gather_into_tensor", "all_gather_single"):
+        return t.nbytes, t.nbytes * (world - 1)
+    if name in ("broadcast", "reduce_scatter_tensor", "reduce_scatter_single"):
+        return t.nbytes, t.nbytes * (world - 1) / world
+    if name in ("isend", "send"):
+        return t.nbytes, t.nbytes
+    if name in ("irecv", "recv"):
+        return t.nbytes, 0
+    return t.nbytes, -1
+
+
+class CollectiveCounter:
+    """Wraps ``torch.distributed``'s collectives in this process (from construction until
+    :meth:`uninstall`); inside :meth:`recording`, ``calls`` holds (name, payload, wire bytes) per
+    call (see :func:`wire_bytes`). Used by tests/test_collectives.py and the benchmarks."""
 
     def __init__(self):
-        self.active = False
-        self._saved = {}
-
-    def install(self) -> None:
         import torch.distributed as dist
 
+        self.calls: list[tuple[str, int, float]] = []
+        self._active, self._saved = False, {}
         for name in COLLECTIVES:
             fn = getattr(dist, name, None)
-            if fn is not None and name not in self._saved:
+            if fn is not None:
                 self._saved[name] = fn
                 setattr(dist, name, self._wrap(name, fn))
+
+    def _wrap(self, name, fn):
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            if self._active:
+                self.calls.append((name, *wire_bytes(name, args, kwargs)))
+            return fn(*args, **kwargs)
+
+        return counted
+
+    @contextlib.contextmanager
+    def recording(self):
+        self.calls, self._active = [], True
+        try:
+            yield self
+        finally:
+            self._active = False
 
     def uninstall(self) -> None:
         import torch.distributed as dist
@@ -88,5 +139,11 @@ class WrappedCollectives:
             setattr(dist, name, fn)
         self._saved = {}
 
-    def _wrap(self, name, fn):
-        raise NotImplementedError
+    def summary(self) -> dict:
+        """Counts by kind, payload and wire bytes of the last recording (wire None if any is unknown)."""
+        by_kind: dict[str, int] = {}
+        for name, _, _ in self.calls:
+            by_kind[name] = by_kind.get(name, 0) + 1
+        return {"collectives": len(self.calls), "by_kind": dict(sorted(by_kind.items())),
+                "payload_bytes": sum(p for _, p, _ in self.calls),
+                "wire_bytes": sum(w for _, _, w in self.calls) if all(w >= 0 for _, _, w in self.calls) else None}

@@ -12,10 +12,11 @@ hook), a steady step moves, per rank, at most DDP's own all-reduce volume
 2Ψ(N-1)/N (Ψ: the bytes DDP reduces) plus 1% for padding and control scalars:
 counted on the wire, per collective, as the bytes a rank sends in the standard
 algorithms (ring all-reduce 2B(N-1)/N, reduce-scatter / all-gather / pipelined
-broadcast B(N-1)/N, all-to-all and sends: exactly what goes to other ranks).
+broadcast B(N-1)/N, all-to-all and sends: exactly what goes to other ranks); the counter and
+its byte model are the benchmarks' (benchmarks/_common.py), so the docs' byte tables and this
+test cannot drift apart.
 """
 
-import contextlib
 import functools
 from dataclasses import dataclass, replace
 
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from benchmarks._common import CollectiveCounter
 from hf_zero._layout import ParamSpec, plan_layout
 from tests._dist import run_ranks
 from tests.models import (
@@ -34,73 +36,8 @@ from tests.models import (
 STEPS = 8
 ALIGN_BYTES = 64
 AGREEMENT_BYTES = 24  # three int64s
-COLLECTIVES = (
-    "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
-    "all_to_all", "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
-    "reduce", "gather", "scatter",
-    "gather_object", "scatter_object_list", "broadcast_object_list", "barrier", "monitored_barrier",
-    "send", "recv", "isend", "irecv", "batch_isend_irecv",
-)
-# Tensor argument whose bytes a rank contributes.
+# Calls whose tensor is a rank's share of the param sync.
 SYNC_CALLS = ("broadcast", "all_gather_single", "all_gather_into_tensor", "isend", "irecv")
-_PAYLOAD_ARG = {"all_gather_into_tensor": 1, "all_gather_single": 1, "all_to_all_single": 1}
-
-
-def _wire_bytes(name, args, kwargs) -> int:
-    """Bytes this rank sends for one collective (see the module docstring); -1 if unknown."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    t = args[_PAYLOAD_ARG.get(name, 0)] if args else None
-    if name == "all_to_all_single":
-        inp = args[1]
-        splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
-        if not splits:
-            return inp.nbytes * (world - 1) // world
-        per = inp.element_size()
-        return sum(n for r, n in enumerate(splits) if r != rank) * per
-    if name == "all_reduce":
-        return 2 * t.nbytes * (world - 1) / world
-    if name in ("isend", "send"):
-        return t.nbytes
-    if name in ("irecv", "recv"):
-        return 0
-    if name in ("broadcast", "reduce_scatter_tensor", "reduce_scatter_single"):
-        return t.nbytes * (world - 1) / world if name == "broadcast" else args[1].nbytes * (world - 1) / world
-    if name in ("all_gather_into_tensor", "all_gather_single"):
-        return args[0].nbytes * (world - 1) / world
-    return -1
-
-
-class CollectiveCounter:
-    """Replaces torch.distributed's collectives with counting wrappers (this process only).
-
-    ``calls``: (name, payload bytes) per call; ``wire``: (name, bytes this rank sends)."""
-
-    def __init__(self):
-        self.calls: list[tuple[str, int]] = []
-        self.wire: list[tuple[str, float]] = []
-        self._recording = False
-        for name in COLLECTIVES:
-            if hasattr(dist, name):
-                setattr(dist, name, self._wrap(name, getattr(dist, name)))
-
-    def _wrap(self, name, fn):
-        @functools.wraps(fn)
-        def counted(*args, **kwargs):
-            if self._recording:
-                tensor = args[_PAYLOAD_ARG.get(name, 0)] if args else None
-                self.calls.append((name, tensor.nbytes if isinstance(tensor, torch.Tensor) else 0))
-                self.wire.append((name, _wire_bytes(name, args, kwargs)))
-            return fn(*args, **kwargs)
-
-        return counted
-
-    @contextlib.contextmanager
-    def recording(self):
-        self.calls, self.wire, self._recording = [], [], True
-        try:
-            yield
-        finally:
-            self._recording = False
 
 
 @dataclass(frozen=True)
@@ -152,7 +89,7 @@ def _count(rank, world_size, counter, case: Case):
         def step(self):
             with counter.recording():
                 opt.step()
-            steps[-1]["calls"] = counter.calls
+            steps[-1]["calls"] = [(name, payload) for name, payload, _ in counter.calls]
 
         def zero_grad(self, set_to_none=True):
             opt.zero_grad(set_to_none=set_to_none)
@@ -291,7 +228,7 @@ def _count_path(rank, world_size, grad_reduce, overlap, shard, find_unused, grad
             ddp(x[rank::world_size], y[rank::world_size]).backward()
             opt.step()
             opt.zero_grad()
-        per_step.append(list(counter.wire))
+        per_step.append([(name, wire) for name, _, wire in counter.calls])
     opt.wait_param_sync()
     return {"psi": psi, "steps": per_step, "params": params_of(model)}
 

@@ -87,19 +87,3 @@ def test_pooled_median_interval():
     lo, hi = (float(x) for x in interval.strip("()").split("-"))
     assert median == "0.950" and 0.90 <= lo <= 0.95 <= hi <= 1.00 and hi - lo < 0.05
 
-
-def test_phases_smoke_run(tmp_path):
-    from benchmarks import e2e_phases
-
-    assert e2e_phases.main(["--smoke", "--json", str(tmp_path / "phases.json")]) == 0
-    per_rank = json.loads((tmp_path / "phases.json").read_text())
-    assert len(per_rank) == e2e.WORLD_SIZE
-    for rank in per_rank:
-        assert set(rank) == set(e2e.CONTENDERS)
-        for name, phases in rank.items():
-            assert set(phases) == set(e2e_phases.PHASES + e2e_phases.CPU), name
-            assert all(v > 0 for v in phases.values()), name
-            # one timed iteration, on one thread of one process
-            assert phases["total"] >= phases["forward"] + phases["backward"], name
-            assert phases["total_cpu"] >= phases["forward_cpu"] + phases["backward_cpu"], name
-            assert phases["process_cpu"] >= phases["total_cpu"] - 0.05, name
