@@ -29,6 +29,22 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "reliability(scenario, outcome): a row of docs/reliability.md")
 
 
+# -- the fast subset: python -m pytest tests -m "not slow" ----------------------------------
+# Modules that start multi-process Trainer / Accelerate runs, torchrun restarts, exit
+# counts, the soak run or the benchmarks. CI (.ci/run) runs everything.
+SLOW_MODULES = frozenset({
+    "test_trainer", "test_accelerate", "test_autoload", "test_exit", "test_faults",
+    "test_soak", "test_bench_smoke", "test_e2e_smoke",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        if item.module is not None and item.module.__name__.rpartition(".")[2] in SLOW_MODULES:
+            item.add_marker(slow)
+
+
 def pytest_runtest_logreport(report):
     if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
         row = getattr(report, "_reliability", None)
