@@ -99,32 +99,22 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         optimizer_class: the local optimizer, e.g. ``torch.optim.AdamW``.
         process_group: the group to shard over (default: the world; world size 1
             when torch.distributed is not initialized).
-        parameters_as_bucket_view: make every trainable param's ``.data`` a view
-            into one flat buffer per (device, dtype), so the sync moves whole
-            buffers. ``False`` keeps params' own storage (the sync then copies
-            through a staging buffer). Default ``True`` (torch's default is ``False``).
-        overlap_with_ddp: accepted for torch compatibility; only ``False`` is
-            supported (``True`` raises ``ValueError``).
-        shard: ``"flat"`` (equal ranges, params may straddle ranks; elementwise
-            optimizers only), ``"param"`` (whole params; any optimizer) or
-            ``"auto"`` (flat when ``optimizer_class`` is elementwise).
-        grad_reduce: ``"all_reduce"`` (DDP all-reduces the grads, as without hf_zero) or
-            ``"reduce_scatter"``: once :meth:`bind_ddp` is called, DDP's all-reduce is
-            replaced by a reduce-scatter into the ranks that own the elements, so a step
-            moves DDP's bytes instead of 1.5 times them (docs/gradient_path.md). Grads are
-            then only valid in this rank's own ranges between backward and step: clip with
-            :meth:`clip_grad_norm_` / :meth:`clip_grad_value_`, not torch's. ``"auto"``
-            (default): what the integration binding DDP chooses (``reduce_scatter`` for
-            Trainer and Accelerate, which route clipping), ``all_reduce`` in a plain loop.
-        overlap_param_sync: sync the params after a step asynchronously; each module's
-            forward waits for its own params (needs bucket views and :meth:`bind_ddp`;
-            call :meth:`wait_param_sync` before reading params outside a forward or
-            ``model.state_dict()``). ``None`` (default): what the integration binding
-            DDP chooses, off in a plain loop.
+        parameters_as_bucket_view: make every trainable param's ``.data`` a view into
+            one flat buffer per (device, dtype), so the sync moves whole buffers (default
+            ``True``; torch's is ``False``).
+        overlap_with_ddp: accepted for torch compatibility; only ``False`` is supported.
+        shard: ``"flat"`` (equal ranges; elementwise optimizers only), ``"param"`` (whole
+            params; any optimizer) or ``"auto"`` (flat when ``optimizer_class`` is elementwise).
+        grad_reduce: ``"all_reduce"`` (DDP's own) or ``"reduce_scatter"`` (after
+            :meth:`bind_ddp`, grads are reduce-scattered to their owners: DDP's bytes, not
+            1.5 times them; clip with :meth:`clip_grad_norm_` / :meth:`clip_grad_value_`).
+            ``"auto"`` (default): what the integration binding DDP chooses.
+        overlap_param_sync: sync params asynchronously after a step; the bound model's
+            forwards wait for the whole sync (call :meth:`wait_param_sync` before reading
+            params elsewhere). ``None`` (default): the integration's choice (off by default).
         master_weights: ``"auto"`` (default) or ``True``: bf16/fp16 params step through
             sharded fp32 masters, saved as state ``"master_param"``; ``False``: pure
-            16-bit steps. fp16 params cannot use a ``GradScaler`` (torch's ``ValueError``).
-            See [Note: master weights] in ``_masters.py``.
+            16-bit steps. fp16 params cannot use a ``GradScaler``. See ``_masters.py``.
         **defaults: hyperparameters for ``optimizer_class``.
 
     Buffers are built at the first :meth:`step` (after ``model.to`` or

@@ -35,6 +35,9 @@ def pytest_configure(config):
 SLOW_MODULES = frozenset({
     "test_trainer", "test_accelerate", "test_autoload", "test_exit", "test_faults",
     "test_soak", "test_bench_smoke", "test_e2e_smoke",
+    # multi-rank comparisons that take seconds each: the fast subset keeps one of each kind
+    "test_masters", "test_checkpoint", "test_collectives", "test_drop_in", "test_freeze",
+    "test_core_state_dict", "test_migration_property", "test_gradient_path", "test_plots",
 })
 
 

@@ -60,7 +60,7 @@ def _train(rank, world_size, *, overlap: bool, seam: bool, peek: bool = False):
                               overlap_param_sync=overlap)
     ddp = DDP(model, bucket_cap_mb=0.25)
     opt.bind_ddp(ddp)
-    started = delay_param_receives(opt.comm) if seam else []
+    started = delay_param_receives(opt.gradient_path.comm) if seam else []
     model.head = TiedHead(model.emb)
     stale = []
     for step in range(STEPS):
@@ -77,7 +77,7 @@ def _train(rank, world_size, *, overlap: bool, seam: bool, peek: bool = False):
         "overlap": opt.overlaps_param_sync,
         "delayed": len(started),
         "stale": stale,
-        "buckets": opt.ddp_buckets_planned(),
+        "buckets": opt.gradient_path.ddp_buckets_planned(),
     }
 
 
