@@ -23,7 +23,7 @@ def _sharded_owner(optimizers, params):
     for opt in optimizers:
         if opt.grad_reduce != "reduce_scatter":
             continue
-        held = [opt.param_index(p) is not None for p in params]
+        held = [opt.gradient_path.param_index(p) is not None for p in params]
         if all(held) and held:
             return opt
         if any(held):
