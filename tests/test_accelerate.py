@@ -90,7 +90,7 @@ def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir, sharded
     train(0, 3)
     inner = optimizer.optimizer
     storages = {p.untyped_storage().data_ptr() for p in model.module.parameters() if p.requires_grad}
-    buffers = len(inner.layout.buffers)
+    buffers = len(inner.gradient_path.layout.buffers)
     at_save = params()
     accelerator.save_state(save_dir)
     train(3, STEPS)
