@@ -352,6 +352,19 @@ def checkpoint_zero(model, kind, shard, view):
     return ZeroBucketOptimizer(model.named_parameters(), cls, shard=shard, parameters_as_bucket_view=view, **kw)
 
 
+
+def saved_linear(directory):
+    """A one-step ``Linear(3, 2)`` saved with ``save_sharded(directory)``: ``(model, optimizer)``."""
+    from hf_zero import ZeroBucketOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    opt.save_sharded(directory)
+    return model, opt
+
 def consolidated_copy(opt) -> dict | None:
     """A snapshot: state_dict() shares tensors with the live state (as torch's does)."""
     opt.consolidate_state_dict(to=0, device="cpu")

@@ -9,6 +9,8 @@ import torch
 import hf_zero
 from hf_zero.cli import main
 
+from tests.models import saved_linear
+
 
 class _Planted:
     """Unpickling this creates a file: proof that code from the checkpoint ran."""
@@ -20,21 +22,11 @@ class _Planted:
         return (open, (self.marker, "w"))
 
 
-def _checkpoint(directory):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW)
-    model(torch.ones(1, 3)).sum().backward()
-    opt.step()
-    opt.save_sharded(directory)
-    return model
-
-
 @pytest.mark.reliability("Security: a pickle planted in place of a checkpoint shard",
                          "inspect / consolidate / load_sharded refuse it with an error; its code never runs")
 def test_planted_pickle_is_never_executed(tmp_path, capsys):
     directory, marker = str(tmp_path / "ck"), str(tmp_path / "PWNED")
-    model = _checkpoint(directory)
+    model, _ = saved_linear(directory)
     (shard,) = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
     with open(os.path.join(directory, shard), "wb") as f:
         pickle.dump(_Planted(marker), f)
@@ -53,7 +45,7 @@ def test_every_written_file_loads_without_pickle(tmp_path):
     import json
 
     directory = str(tmp_path / "ck")
-    _checkpoint(directory)
+    saved_linear(directory)
     main(["consolidate", directory, str(tmp_path / "out.pt")])
     torch.load(tmp_path / "out.pt", weights_only=True)
     for name in os.listdir(directory):

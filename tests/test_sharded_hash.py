@@ -10,15 +10,7 @@ import hf_zero
 from hf_zero import _offline
 from hf_zero.cli import main
 
-
-def _checkpoint(directory):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW)
-    model(torch.ones(1, 3)).sum().backward()
-    opt.step()
-    opt.save_sharded(directory)
-    return model, opt
+from tests.models import saved_linear
 
 
 def _flip_last_byte(path):
@@ -35,7 +27,7 @@ def _flip_last_byte(path):
                          "load_sharded and consolidate refuse it, naming the file")
 def test_same_size_corruption_is_refused_naming_the_file(tmp_path, capsys):
     directory = str(tmp_path / "ck")
-    model, _ = _checkpoint(directory)
+    model, _ = saved_linear(directory)
     (shard,) = [f for f in os.listdir(directory) if f.endswith(".safetensors")]
     with open(os.path.join(directory, "hf_zero_optimizer.json")) as f:
         (entry,) = json.load(f)["files"]
@@ -56,7 +48,7 @@ def test_same_size_corruption_is_refused_naming_the_file(tmp_path, capsys):
                          "still loads, with the size check only, equal to the saved state")
 def test_checkpoint_without_hashes_still_loads(tmp_path):
     directory = str(tmp_path / "ck")
-    model, saved = _checkpoint(directory)
+    model, saved = saved_linear(directory)
     record_path = os.path.join(directory, "hf_zero_optimizer.json")
     with open(record_path) as f:
         record = json.load(f)
