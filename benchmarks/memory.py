@@ -130,7 +130,8 @@ def _train(rank: int, row: tuple, *, spec: dict, steps: int, batch: int, lr: flo
     if optim_args and "master_weights" in optim_args and not master_weights_supported():
         optim_args = None  # this checkout has no masters: today's behaviour, which is pure bf16
     model = _model(spec, dtype)
-    initial = [p.detach().clone() for p in model.parameters()]
+    # The precision rows count the moved elements; a memory row must not hold a copy of the model.
+    initial = None if eval_data is None else [p.detach().clone() for p in model.parameters()]
     params = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
@@ -185,14 +186,14 @@ def breakdown(row: str, world_size: int, *, masters: bool) -> dict[str, float]:
     dtype, optim, _, _ = MEMORY_ROWS[row]
     w = 2 if dtype == "bfloat16" else 4
     n = world_size
-    parts = {"params": w, "p.grad": w, "DDP buckets": w}
+    parts = {"params": w, "p.grad": w}
     if optim == "adamw_torch":
+        parts["DDP buckets"] = w  # Trainer's DDP: gradient_as_bucket_view=False, a second copy
         parts["optimizer state"] = 2 * w
-    else:
+    else:  # p.grad are views of DDP's buckets; the reduce-scatter's scratch is one bucket at most
         parts["optimizer state"] = (8 if masters and w == 2 else 2 * w) / n
         if masters and w == 2:
             parts["fp32 masters"] = 4 / n
-        parts["reduce-scatter scratch"] = w * (n - 1) / n
     return parts
 
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ._works import Pending, keep, named as _named
+from ._works import Pending, keep, let_go_completed, named as _named
 
 SYNC_BY = ("all_gather", "broadcast", "send_recv")
 REDUCE_SCATTER_BY = ("send_recv", "all_to_all", "reduce_scatter", "all_reduce")
@@ -93,6 +93,13 @@ class Comm:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a hf_zero._comm.Strategy, got {type(strategy).__name__}")
         self._strategy = strategy
+
+    def release_completed_works(self) -> None:
+        """Let go of the completed collectives' work objects now, and with them of the
+        tensors they reference (gloo keeps them a while: [Note: no Python on communication
+        threads] in _works.py). Not collective."""
+        if self._keep_works:
+            let_go_completed()
 
     def _pending(self, works: list, what: str, finish: Callable[[], Any] | None = None) -> Pending:
         if self._keep_works:

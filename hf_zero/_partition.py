@@ -26,7 +26,7 @@ from ._comm import Comm
 from ._layout import Layout, Piece
 from ._masters import MASTER_KEY, Master, needs_master, split_saved
 from ._params import ParamTable
-from ._state import Holding, Holdings, Kind, kind_of, redistribute, shape_as
+from ._state import Holding, Holdings, Kind, kind_of, move, plan_moves, shape_as
 
 NOT_HYPER = ("params", "param_names")
 
@@ -65,25 +65,31 @@ class Partition:
     @classmethod
     def build(cls, table: ParamTable, layout: Layout, held: Holdings, *, rank: int, optimizer_class: type,
               param_groups: list[dict], bucket_view: bool, previous: "Partition | None",
-              masters: bool = False) -> "Partition":
+              old_buffers: tuple[torch.Tensor, ...] = (), masters: bool = False) -> "Partition":
         """Lay the buffers out, make params views of them (``bucket_view``), and build the
         local optimizer over this rank's pieces with the state in ``held`` (one group per
         param group, empty where this rank owns nothing of it, so every rank's local
         optimizer sees the same hyperparameters). ``masters``: 16-bit pieces are stepped
-        through fp32 masters, from the held ``"master_param"`` where there is one."""
+        through fp32 masters, from the held ``"master_param"`` where there is one.
+        ``old_buffers``: the retired ``previous``'s (see [Note: rebuilding in place])."""
         params = table.params
         if bucket_view and previous is not None:
             old = set(previous.ptrs.values())
             for p in params:  # frozen now: give it back storage of its own
                 if not p.requires_grad and p.data_ptr() in old:
                     p.data = p.data.clone()
+        reuse = _reusable(previous, old_buffers, layout)
+        del old_buffers  # the others are freed as their params move out
         buffers, ptrs = [], {}
-        for plan in layout.buffers:
-            buf = torch.zeros(plan.size, dtype=plan.dtype, device=torch.device(plan.device))
+        for b, plan in enumerate(layout.buffers):
+            buf = reuse.pop(b, None)
+            if buf is None:
+                buf = torch.zeros(plan.size, dtype=plan.dtype, device=torch.device(plan.device))
             for slot in plan.slots:
                 p = params[slot.index]
                 view = buf[slot.offset : slot.offset + slot.numel]
-                view.copy_(p.data.reshape(-1))
+                if p.data_ptr() != view.data_ptr() or not p.data.is_contiguous():
+                    view.copy_(p.data.reshape(-1))
                 if bucket_view:
                     p.data = view.view(p.shape)
                 elif not p.data.is_contiguous():
@@ -111,6 +117,12 @@ class Partition:
             inner.state[t] = st
         return cls(layout=layout, mask=table.mask(), shard=layout.shard, bucket_view=bucket_view,
                    buffers=tuple(buffers), ptrs=ptrs, pieces=tuple(pieces), inner=inner)
+
+    def retire(self) -> tuple[torch.Tensor, ...]:
+        """End this partition's life (its state taken with :meth:`holdings`): drop its local
+        optimizer and pieces and hand its buffers over, keeping no reference to either."""
+        buffers, self.buffers, self.pieces, self.inner = self.buffers, (), (), None
+        return buffers
 
     def emptied(self) -> "Partition":
         """The same buffers and views, without pieces or state (after a load replaced the state)."""
@@ -228,6 +240,26 @@ def _placed(state: dict, tensor: torch.Tensor) -> dict:
     return out
 
 
+# [Note: rebuilding in place]
+# A rebuild holds old and new params and state at once only where it must. The old
+# partition is retired once the state moves are planned (and checked): its state is
+# given up to the move (see [Note: moving without a spike] in _state.py), and a new
+# buffer with the same plan as an old one (same DDP bucket, size and rank bounds: a
+# trainability change inside DDP's buckets keeps them) is the old one, reused in place;
+# any other old buffer is freed as soon as its last param has moved out.
+def _reusable(previous: Partition | None, old_buffers: tuple[torch.Tensor, ...], layout: Layout) -> dict:
+    """``{new buffer number: old buffer}`` for the new plans an old buffer matches exactly."""
+    if previous is None or not old_buffers:
+        return {}
+    def key(lay: Layout, plan):  # a DDP bucket's buffer: its params' offsets follow from the bucket
+        return None if plan.bucket is None else (lay.buckets[plan.bucket], plan.device, plan.dtype, plan.size,
+                                                 plan.bounds)
+
+    old = {key(previous.layout, plan): buf for plan, buf in zip(previous.layout.buffers, old_buffers)}
+    old.pop(None, None)
+    return {b: old[key(layout, plan)] for b, plan in enumerate(layout.buffers) if key(layout, plan) in old}
+
+
 def all_holdings(parked: Holdings, partition: Partition | None) -> Holdings:
     """All state this rank holds: ``parked`` and ``partition``'s pieces', sorted by start."""
     held: Holdings = {i: list(hs) for i, hs in parked.items()}
@@ -253,24 +285,26 @@ def rebuild(previous: Partition | None, parked: Holdings, table: ParamTable, lay
     change hands (else, with an unchanged layout, every rank keeps what it holds)."""
     held = all_holdings(parked, previous)
     trainable = {i for i, p in enumerate(table.params) if p.requires_grad}
-    if not moved and previous is not None and layout == previous.layout and not trainable & set(parked):
-        new_held = {i: hs for i, hs in held.items() if i in trainable}
-    else:
+    still_parked = {i: hs for i, hs in held.items() if i not in trainable}
+    moves = None
+    if moved or previous is None or layout != previous.layout or trainable & set(parked):
         targets: dict[int, list[tuple[int, int, int]]] = {}
         for r, pcs in enumerate(layout.all_pieces()):
             for pc in pcs:
                 targets.setdefault(pc.index, []).append((r, pc.start, pc.stop))
-        new_held = redistribute(
-            comm,
-            held,
-            targets,
-            numels=table.numels(),
-            device_of=lambda i: table.params[i].device,
-            names=table.label,
-            piece_shape=lambda i, start, stop: piece_shape(table, layout.shard, i, start, stop),
-        )
-    still_parked = {i: hs for i, hs in held.items() if i not in trainable}
+        moves = plan_moves(comm, held, targets, numels=table.numels(), names=table.label)
+    # Checked: from here on the old partition's state and buffers are given up as they go
+    # (see [Note: rebuilding in place]).
+    comm.release_completed_works()  # the last syncs' works still reference the old buffers
+    old_buffers = () if previous is None else previous.retire()
+    if moves is None:
+        new_held = {i: hs for i, hs in held.items() if i in trainable}
+    else:
+        new_held = move(comm, moves, held, device_of=lambda i: table.params[i].device,
+                        piece_shape=lambda i, start, stop: piece_shape(table, layout.shard, i, start, stop),
+                        reuse_own=True, release=True)
+    del held
     partition = Partition.build(table, layout, new_held, rank=comm.rank, optimizer_class=optimizer_class,
                                 param_groups=param_groups, bucket_view=bucket_view, previous=previous,
-                                masters=masters)
+                                old_buffers=old_buffers, masters=masters)
     return partition, still_parked

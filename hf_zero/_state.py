@@ -148,6 +148,27 @@ def redistribute(
     this rank, the result shares its tensors (viewed) instead of copying them, so the
     caller must accept that they alias ``held`` (see [Note: reused holdings]).
     """
+    moves = plan_moves(comm, held, targets, numels=numels, names=names)
+    return move(comm, moves, held, device_of=device_of, piece_shape=piece_shape, reuse_own=reuse_own)
+
+
+class Moves(NamedTuple):
+    """What :func:`move` sends, receives and builds: checked, nothing moved yet."""
+
+    transfers: list  # of _Transfer, in one global order
+    plan: dict  # (index, dst, start) -> [(src, lo, hi, kinds)]
+
+
+def plan_moves(
+    comm: Comm,
+    held: Holdings,
+    targets: Mapping[int, list[tuple[int, int, int]]] | Callable[[set[int]], Mapping],
+    *,
+    numels: Mapping[int, int],
+    names: Callable[[int], str] = str,
+) -> Moves:
+    """The first half of :func:`redistribute`: one metadata exchange (collective) and every
+    check; raises (the same on every rank) before any state changes hands."""
     metas = comm.all_gather_object(describe(held))
     sources: dict[int, list[tuple[int, int, int, dict]]] = {}
     for src, meta in enumerate(metas):
@@ -181,12 +202,32 @@ def redistribute(
                         if not (whole and lo == 0 and hi == numels[i]):
                             raise unsplittable(key, names(i), meta.shape)
                         transfers.append(_Transfer(src, dst, i, key, lo, hi, meta.dtype, meta.shape, ts))
+    return Moves(transfers, plan)
 
-    # This rank's new state, allocated once: received elements are copied straight in,
-    # so a receiver needs its new state once plus one round (see [Note: rounds]).
+
+def move(
+    comm: Comm,
+    moves: Moves,
+    held: Holdings,
+    *,
+    device_of: Callable[[int], torch.device],
+    piece_shape: Callable[[int, int, int], tuple[int, ...]] | None = None,
+    reuse_own: bool = False,
+    release: bool = False,
+) -> Holdings:
+    """The second half of :func:`redistribute` (collective): move the state as ``moves`` says.
+
+    ``release=True``: ``held`` is given up as it goes (see [Note: moving without a spike]):
+    each holding's state is emptied after the last round that reads it, so the caller must
+    hold no other reference to its tensors and must not use ``held`` afterwards."""
+    transfers, plan = moves
+    # This rank's new state: each elementwise tensor allocated at its first write and
+    # received elements copied straight in, so a receiver needs its new state once plus
+    # one round (see [Note: rounds]).
     me = comm.rank
     out: Holdings = {}
     dest: dict[tuple[int, int], dict[str, Any]] = {}
+    unallocated: dict[tuple[int, int, str], tuple] = {}  # (index, start, key) -> (shape, dtype, device)
     reused: set[tuple[int, int]] = set()
     for (i, dst, ts), parts in plan.items():
         if dst != me:
@@ -203,7 +244,8 @@ def redistribute(
             if own is not None and key in own:
                 state[key] = own[key]
             elif meta.kind is Kind.ELEMENTWISE:
-                state[key] = torch.empty(shape, dtype=dtype_from_name(meta.dtype), device=device)
+                state[key] = None
+                unallocated[(i, ts, key)] = (shape, dtype_from_name(meta.dtype), device)
             elif meta.kind is Kind.SCALAR:
                 state[key] = torch.tensor(meta.value, dtype=dtype_from_name(meta.dtype),
                                           device="cpu" if meta.on_cpu else device)
@@ -214,35 +256,69 @@ def redistribute(
         dest[(i, ts)] = state
         out.setdefault(i, []).append(Holding(ts, te, shape, state))
 
+    def put(t: _Transfer, flat: torch.Tensor) -> None:
+        state = dest[(t.index, t.target_start)]
+        if state[t.key] is None and t.blob_shape is None:
+            shape, dtype, device = unallocated.pop((t.index, t.target_start, t.key))
+            state[t.key] = torch.empty(shape, dtype=dtype, device=device)
+        _put(state, t, flat, device_of(t.index))
+
     # Every rank must compute the same rounds: reused targets are skipped where they
     # would be copied, never dropped from ``transfers``.
+    schedule = []
     for dtype_name in sorted({t.dtype for t in transfers}):
         dtype = dtype_from_name(dtype_name)
         group = [t for t in transfers if t.dtype == dtype_name]
-        for batch in _rounds(group, max(1, _ROUND_BYTES // dtype.itemsize)):
-            send: list[list[torch.Tensor]] = [[] for _ in range(comm.world_size)]
-            recv_sizes = [0] * comm.world_size
+        schedule += [(dtype, batch) for batch in _rounds(group, max(1, _ROUND_BYTES // dtype.itemsize))]
+    last_read: dict[int, tuple[Holding, int]] = {}  # id(holding) -> (holding, the last round reading it)
+    if release:
+        for k, (_, batch) in enumerate(schedule):
             for t in batch:
-                if t.src == t.dst == me:  # stays here: no staging
-                    if (t.index, t.target_start) in reused:
-                        continue
-                    _put(dest[(t.index, t.target_start)], t, _segment(held[t.index], t), device_of(t.index))
-                elif t.src == me:
-                    send[t.dst].append(_segment(held[t.index], t).to(comm.device))
-                elif t.dst == me:
-                    recv_sizes[t.src] += t.numel
-            packed = [torch.cat(s) if s else torch.empty(0, dtype=dtype, device=comm.device) for s in send]
-            del send
-            chunks = comm.all_to_all(packed, recv_sizes, dtype=dtype, device=comm.device)
-            del packed
-            cursor = [0] * comm.world_size
-            for t in batch:
-                if t.dst != me or t.src == me:
+                if t.src == me and (t.dst != me or (t.index, t.target_start) not in reused):
+                    h = _holding(held[t.index], t)
+                    last_read[id(h)] = (h, k)
+    for k, (dtype, batch) in enumerate(schedule):
+        send: list[list[torch.Tensor]] = [[] for _ in range(comm.world_size)]
+        recv_sizes = [0] * comm.world_size
+        for t in batch:
+            if t.src == t.dst == me:  # stays here: no staging
+                if (t.index, t.target_start) in reused:
                     continue
-                received = chunks[t.src][cursor[t.src] : cursor[t.src] + t.numel]
-                _put(dest[(t.index, t.target_start)], t, received, device_of(t.index))
-                cursor[t.src] += t.numel
+                put(t, _segment(held[t.index], t))
+            elif t.src == me:
+                send[t.dst].append(_segment(held[t.index], t).to(comm.device))
+            elif t.dst == me:
+                recv_sizes[t.src] += t.numel
+        packed = [torch.cat(s) if s else torch.empty(0, dtype=dtype, device=comm.device) for s in send]
+        del send
+        chunks = comm.all_to_all(packed, recv_sizes, dtype=dtype, device=comm.device)
+        del packed
+        cursor = [0] * comm.world_size
+        for t in batch:
+            if t.dst != me or t.src == me:
+                continue
+            received = chunks[t.src][cursor[t.src] : cursor[t.src] + t.numel]
+            put(t, received)
+            cursor[t.src] += t.numel
+        del chunks
+        if release:
+            comm.release_completed_works()  # the round's staging goes now, not a second later
+        for h, last in list(last_read.values()):
+            if last == k:
+                h.state.clear()
+                del last_read[id(h)]
+    for (i, ts, key), (shape, dtype, device) in unallocated.items():  # no element sent: as before, unset
+        dest[(i, ts)][key] = torch.empty(shape, dtype=dtype, device=device)
     return out
+
+
+# [Note: moving without a spike]
+# A rebuild gives its old holdings up to :func:`move` (``release=True``): a target's
+# tensor is allocated at its first write and a holding emptied after the last round
+# that reads it. Transfers run in param order, so beyond the state it keeps a rank
+# holds about one round and one param's state at a time, not its old and new state at
+# once. With ``reuse_own`` as well, a target that is exactly one of its own holdings
+# (a param whose piece did not change) takes that holding's tensors and costs nothing.
 
 
 # [Note: reused holdings]
@@ -309,12 +385,17 @@ def _rounds(transfers: list[_Transfer], budget: int) -> list[list[_Transfer]]:
     return [r for r in rounds if r]
 
 
-def _segment(holdings: list[Holding], t: _Transfer) -> torch.Tensor:
+def _holding(holdings: list[Holding], t: _Transfer) -> Holding:
     for h in holdings:
         if h.start <= t.lo and t.hi <= h.stop:
-            value = h.state[t.key].reshape(-1)
-            return value if t.blob_shape is not None else value[t.lo - h.start : t.hi - h.start]
+            return h
     raise AssertionError(f"no holding covers {t.lo}:{t.hi}")
+
+
+def _segment(holdings: list[Holding], t: _Transfer) -> torch.Tensor:
+    h = _holding(holdings, t)
+    value = h.state[t.key].reshape(-1)
+    return value if t.blob_shape is not None else value[t.lo - h.start : t.hi - h.start]
 
 
 def split_canonical(state: Mapping[str, Any], param_shape, start: int, stop: int, piece_shape,

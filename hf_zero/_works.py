@@ -77,6 +77,12 @@ class _KeptWorks:
             self._swept = now
 
 
+    def let_go_completed(self) -> None:
+        """Let go now of every completed work (and so of its tensors), not at a later sweep."""
+        self._running = [w for w in self._running if not w.is_completed()]
+        self._completed = []
+
+
 _SWEEP_S = 1.0
 _KEPT = _KeptWorks()
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT))  # immortal: see _KeptWorks
@@ -85,3 +91,10 @@ ctypes.pythonapi.Py_IncRef(ctypes.py_object(_KEPT))  # immortal: see _KeptWorks
 def keep(works: list) -> None:
     """Hold ``works`` past their completion (gloo: see the module note)."""
     _KEPT.add(works)
+
+
+def let_go_completed() -> None:
+    """Stop holding the completed works, so the tensors they reference can be freed: for a
+    rebuild, which must not keep the old buffers and staging alive (never called at exit,
+    where a worker thread must not be left the last reference)."""
+    _KEPT.let_go_completed()

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_zero._layout import ParamSpec, plan_layout
-from hf_zero._state import Holding, redistribute, split_canonical
+from hf_zero._state import Holding, move, plan_moves, redistribute, split_canonical
 
 
 class _Exchange:
@@ -44,6 +44,9 @@ class _ThreadComm:
         assert [t.numel() for t in got] == list(recv_sizes)
         return got
 
+    def release_completed_works(self):
+        pass
+
 
 def _canonical(i, numel):
     return {
@@ -53,7 +56,7 @@ def _canonical(i, numel):
     }
 
 
-def _run(world_size, numels, old_mask, new_mask, old_shard, new_shard):
+def _run(world_size, numels, old_mask, new_mask, old_shard, new_shard, release=False):
     specs = lambda mask: [ParamSpec(n, torch.float64, "cpu", m) for n, m in zip(numels, mask)]
     old = plan_layout(specs(old_mask), world_size=world_size, shard=old_shard)
     new = plan_layout(specs(new_mask), world_size=world_size, shard=new_shard)
@@ -75,15 +78,20 @@ def _run(world_size, numels, old_mask, new_mask, old_shard, new_shard):
 
     exchange, results, errors = _Exchange(world_size), [None] * world_size, []
 
+    given_up = [None] * world_size
+
     def worker(rank):
         try:
-            results[rank] = redistribute(
-                _ThreadComm(exchange, rank),
-                held_by(rank),
-                targets,
-                numels=dict(enumerate(numels)),
-                device_of=lambda i: torch.device("cpu"),
-            )
+            comm, held = _ThreadComm(exchange, rank), held_by(rank)
+            if not release:
+                results[rank] = redistribute(comm, held, targets, numels=dict(enumerate(numels)),
+                                             device_of=lambda i: torch.device("cpu"))
+                return
+            # A rebuild's way: checked first, then the holdings are given up as the state moves.
+            moves = plan_moves(comm, held, targets, numels=dict(enumerate(numels)))
+            results[rank] = move(comm, moves, held, device_of=lambda i: torch.device("cpu"), reuse_own=True,
+                                 release=True)
+            given_up[rank] = held
         except BaseException as e:  # surfaced below
             errors.append(e)
             exchange.barrier.abort()
@@ -94,6 +102,11 @@ def _run(world_size, numels, old_mask, new_mask, old_shard, new_shard):
     for t in threads:
         t.join(30)
     assert not errors, errors
+    for rank, held in enumerate(given_up):
+        for i, hs in (held or {}).items():
+            for h in hs:  # emptied once read, unless its tensors became the rank's new state whole
+                mine = (rank, h.start, h.stop) in targets.get(i, [])
+                assert i not in targets or not h.state or mine, (rank, i, h.start, h.stop)
     return targets, results
 
 
@@ -104,12 +117,13 @@ def _run(world_size, numels, old_mask, new_mask, old_shard, new_shard):
     params=st.lists(st.tuples(st.integers(1, 300), st.booleans(), st.booleans()), min_size=1, max_size=12),
     old_shard=st.sampled_from(["flat", "param"]),
     new_shard=st.sampled_from(["flat", "param"]),
+    release=st.booleans(),
 )
-def test_migration_preserves_every_element(world_size, params, old_shard, new_shard):
+def test_migration_preserves_every_element(world_size, params, old_shard, new_shard, release):
     numels = [n for n, _, _ in params]
     old_mask = [a for _, a, _ in params]
     new_mask = [b for _, _, b in params]
-    targets, results = _run(world_size, numels, old_mask, new_mask, old_shard, new_shard)
+    targets, results = _run(world_size, numels, old_mask, new_mask, old_shard, new_shard, release)
     for i, wanted in targets.items():
         full = _canonical(i, numels[i])
         covered = 0
