@@ -328,8 +328,8 @@ def move(
 # (consolidate_state_dict) then returns tensors that share memory with the live
 # optimizer state, as torch.optim.Optimizer.state_dict() and torch's
 # ZeroRedundancyOptimizer (for its own partition) do: valid until the next step,
-# which is when consolidated state is invalidated anyway. A rebuild never reuses:
-# its new state must outlive the old holdings without pinning them.
+# which is when consolidated state is invalidated anyway. A rebuild reuses too, but
+# only with ``release`` (its old holdings are given up: nothing else pins them).
 def _own_views(holdings, ts: int, te: int, shape: tuple, device) -> dict[str, torch.Tensor] | None:
     """The tensors of the holding that is exactly ``ts:te``, viewed as ``shape``, when all are on ``device``."""
     for h in holdings:

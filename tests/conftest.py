@@ -38,6 +38,8 @@ SLOW_MODULES = frozenset({
     # multi-rank comparisons that take seconds each: the fast subset keeps one of each kind
     "test_masters", "test_checkpoint", "test_collectives", "test_drop_in", "test_freeze",
     "test_core_state_dict", "test_migration_property", "test_gradient_path", "test_plots",
+    "test_agreement", "test_harness", "test_cli", "test_chunked_pieces", "test_consolidation_reuse",
+    "test_memory", "test_reduce_scatter",
 })
 
 
