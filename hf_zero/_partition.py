@@ -29,6 +29,7 @@ from ._params import ParamTable
 from ._state import Holding, Holdings, Kind, kind_of, move, plan_moves, shape_as
 
 NOT_HYPER = ("params", "param_names")
+_GRAD_CHUNK_ELEMENTS = 1 << 23  # fp32 master grads alive at once in a step: 32 MiB
 
 
 @dataclass(frozen=True)
@@ -171,25 +172,49 @@ class Partition:
         for inner_group, group in zip(self.inner.param_groups, param_groups):
             inner_group.update(hyperparams(group))
         flat = self.shard == "flat"
-        for lp in self.pieces:
-            g = lp.param.grad
-            if g is not None and flat:
-                g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
-            if lp.master is not None:
-                lp.master.set_grad(g)
-            else:
-                lp.tensor.grad = g
+        loss = None
         try:
-            loss = self.inner.step(**kwargs)
-            for lp in self.pieces:
-                if lp.master is not None and lp.tensor.grad is not None:
-                    lp.master.write_back()
+            for chunk in self._step_chunks(kwargs):
+                for lp in chunk:
+                    g = lp.param.grad
+                    if g is not None and flat:
+                        g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
+                    if lp.master is not None:
+                        lp.master.set_grad(g)
+                    else:
+                        lp.tensor.grad = g
+                out = self.inner.step(**kwargs)
+                loss = out if loss is None else loss
+                for lp in chunk:
+                    if lp.master is not None and lp.tensor.grad is not None:
+                        lp.master.write_back()
+                    lp.tensor.grad = None
         finally:
             for lp in self.pieces:
                 lp.tensor.grad = None
         for inner_group, group in zip(self.inner.param_groups, param_groups):
             group.update(hyperparams(inner_group))
         return loss
+
+    def _step_chunks(self, kwargs: dict) -> list[tuple[LocalPiece, ...]]:
+        """The pieces in the groups the local optimizer steps one after the other.
+
+        A master's fp32 grad is a copy (4 bytes per element): stepping all at once would
+        hold one for every piece. torch's own optimizers update each param from its own
+        grad and state only (params without a grad are skipped), so stepping them a chunk
+        at a time is the same update with one chunk of fp32 grads alive. Any other
+        optimizer (which may count its ``step`` calls) is stepped once."""
+        if (kwargs or not any(lp.master is not None for lp in self.pieces)
+                or not type(self.inner).__module__.startswith("torch.optim.")):
+            return [self.pieces]
+        chunks, size = [[]], 0
+        for lp in self.pieces:
+            if size and size + lp.tensor.numel() > _GRAD_CHUNK_ELEMENTS:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(lp)
+            size += lp.tensor.numel()
+        return [tuple(c) for c in chunks]
 
     def sync(self, comm: Comm, params: tuple[torch.Tensor, ...], overlap) -> None:
         """Send this rank's ranges of every buffer to the other ranks. With ``overlap``

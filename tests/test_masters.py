@@ -428,11 +428,17 @@ def test_float32_params_unchanged_and_bf16_get_masters():
 
 
 @pytest.mark.timeout(60)
-def test_fp16_params_with_masters_match_reference():
-    """fp16 params (no GradScaler) step through fp32 masters like bf16 ones."""
+@pytest.mark.parametrize("chunk", [None, 1], ids=["one-chunk", "piece-by-piece"])
+@pytest.mark.parametrize("dtype", [torch.float16, BF16])
+def test_16bit_params_with_masters_match_reference(dtype, chunk, monkeypatch):
+    """fp16 params (no GradScaler) step through fp32 masters like bf16 ones; stepping the
+    pieces a chunk at a time (at most one chunk of fp32 grads alive) changes nothing."""
+    import hf_zero._partition
     from hf_zero import ZeroBucketOptimizer
 
-    model = build_model("mlp", torch.float16)
+    if chunk is not None:
+        monkeypatch.setattr(hf_zero._partition, "_GRAD_CHUNK_ELEMENTS", chunk)
+    model = build_model("mlp", dtype)
     params16 = [p.detach().clone() for p in model.parameters()]
     masters = [p.float() for p in params16]
     ref = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1)
@@ -446,9 +452,11 @@ def test_fp16_params_with_masters_match_reference():
         opt.zero_grad()
     state = opt.state_dict()["state"]
     for i, (p, m) in enumerate(zip(model.parameters(), masters)):
-        _equal(p.detach(), m.to(torch.float16), f"fp16 param {i}")
+        _equal(p.detach(), m.to(dtype), f"{dtype} param {i}")
         if i in state:
-            _equal(state[i][MASTER], m, f"master of fp16 param {i}")
+            _equal(state[i][MASTER], m, f"master of {dtype} param {i}")
+            for key, v in ref.state[m].items():
+                _equal(state[i][key], v, f"{dtype} param {i} state {key}")
 
 
 @pytest.mark.timeout(60)
