@@ -9,7 +9,9 @@ seen with ``gdb`` in ``ProcessGroupGloo::runLoop`` freeing an ``AsyncBroadcastWo
 cf. pytorch/pytorch#179291). So nothing of hf_zero runs on a backend's threads (results
 are finished by whoever waits, :class:`Pending`), and on gloo the work objects of
 hf_zero's collectives are kept from their start (:func:`keep`), waited for or not: a
-worker thread never holds the last reference.
+worker thread never holds the last reference at exit. The one early release,
+:func:`let_go_completed`, runs only inside a rebuild, mid-run, where a worker thread that
+frees a work takes the GIL as any thread may.
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ class _KeptWorks:
                 (completed if w.is_completed() else running).append(w)
             self._running, self._completed = running, completed  # the previous sweep's completed go
             self._swept = now
-
 
     def let_go_completed(self) -> None:
         """Let go now of every completed work (and so of its tensors), not at a later sweep."""
