@@ -23,11 +23,10 @@ from ._grads import average_grads
 from ._layout import Layout, is_elementwise, plan_layout
 from ._lifecycle import StateLifecycle
 from ._gradpath import GRAD_REDUCE, GradientPath
-from ._masters import MASTER_KEY, check_choice
+from ._masters import check_choice
 from ._params import ParamTable, check_params
 from ._partition import Partition, all_holdings, rebuild
 from ._state import Holdings
-
 
 
 logger = logging.getLogger(__name__)
@@ -87,11 +86,10 @@ class _JoinHook(JoinHook):
 class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     """ZeRO stage-1: each rank keeps optimizer state only for the elements it owns.
 
-    A drop-in for :class:`torch.distributed.optim.ZeroRedundancyOptimizer` (its
-    whole constructor signature, ``step(closure, **kwargs)``, local param-group
-    changes written back, :class:`~torch.distributed.algorithms.join.Join`
-    support), which follows ``requires_grad`` changes, mixes dtypes and devices,
-    and syncs parameters with a few whole-buffer collectives per step.
+    A drop-in for :class:`torch.distributed.optim.ZeroRedundancyOptimizer` (constructor,
+    ``step(closure, **kwargs)``, :class:`~torch.distributed.algorithms.join.Join`) that
+    follows ``requires_grad`` changes, mixes dtypes and devices, and syncs parameters
+    with a few whole-buffer collectives per step.
 
     Args:
         params: tensors, ``(name, tensor)`` pairs or param groups. Include frozen
@@ -99,30 +97,25 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         optimizer_class: the local optimizer, e.g. ``torch.optim.AdamW``.
         process_group: the group to shard over (default: the world; world size 1
             when torch.distributed is not initialized).
-        parameters_as_bucket_view: make every trainable param's ``.data`` a view into
-            one flat buffer per (device, dtype), so the sync moves whole buffers (default
-            ``True``; torch's is ``False``).
+        parameters_as_bucket_view: trainable params' ``.data`` are views into flat
+            buffers, so the sync moves whole buffers (default ``True``; torch's ``False``).
         overlap_with_ddp: accepted for torch compatibility; only ``False`` is supported.
         shard: ``"flat"`` (equal ranges; elementwise optimizers only), ``"param"`` (whole
             params; any optimizer) or ``"auto"`` (flat when ``optimizer_class`` is elementwise).
         grad_reduce: ``"all_reduce"`` (DDP's own) or ``"reduce_scatter"`` (after
-            :meth:`bind_ddp`, grads are reduce-scattered to their owners: DDP's bytes, not
-            1.5 times them; clip with :meth:`clip_grad_norm_` / :meth:`clip_grad_value_`).
-            ``"auto"`` (default): what the integration binding DDP chooses.
+            :meth:`bind_ddp`, grads go to their owners: DDP's bytes; clip with
+            :meth:`clip_grad_norm_`). ``"auto"`` (default): the integration's choice.
         overlap_param_sync: sync params asynchronously after a step; the bound model's
-            forwards wait for the whole sync (call :meth:`wait_param_sync` before reading
-            params elsewhere). ``None`` (default): the integration's choice (off by default).
+            forwards wait for it (else call :meth:`wait_param_sync`). ``None``: the
+            integration's choice (off by default).
         master_weights: ``"auto"`` (default) or ``True``: bf16/fp16 params step through
             sharded fp32 masters, saved as state ``"master_param"``; ``False``: pure
             16-bit steps. fp16 params cannot use a ``GradScaler``. See ``_masters.py``.
         **defaults: hyperparameters for ``optimizer_class``.
 
-    Buffers are built at the first :meth:`step` (after ``model.to`` or
-    ``accelerator.prepare`` moved the params) and checked at every step.
-    Every method that says *collective* must be called on all ranks.
-
-    Integrations and the gradient path use only the protocol in docs/architecture.md
-    (tests/test_architecture.py checks it), where the collaborators doing the work are listed.
+    Buffers are built at the first :meth:`step` and checked at every step. Every method
+    that says *collective* must be called on all ranks. Integrations and the gradient
+    path use only the protocol in docs/architecture.md (tests/test_architecture.py).
     """
 
     def __init__(
@@ -219,11 +212,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any):
         """Update the params this rank owns, then sync every buffer. Collective.
 
-        A callable ``closure`` (re-evaluates the model, returns the loss) runs once,
-        before the update, on every rank; any other non-None ``closure`` goes to the
-        local optimizer's ``step`` with ``kwargs``, as torch's ZeroRedundancyOptimizer
-        forwards them. Returns the closure's loss (or what the local step returned).
-        """
+        A callable ``closure`` runs once, before the update, on every rank, and its loss is
+        returned; any other non-None ``closure`` goes with ``kwargs`` to the local
+        optimizer's ``step`` (as torch's ZeroRedundancyOptimizer forwards them)."""
         Join.notify_join_context(self)
         loss = None
         if callable(closure):
@@ -281,7 +272,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._grad.mark_reduced(self._table.mask(), keep=True)
         self.rebuilds += 1
 
-    def _holdings(self) -> Holdings:  # all this rank holds: its pieces' state and the parked
+    def _holdings(self) -> Holdings:  # its pieces' state and the parked
         return all_holdings(self._lifecycle.parked, self._partition)
 
     # -- gradients DDP does not reduce (see docs/architecture.md, "Unreduced gradients")
@@ -297,10 +288,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def average_unreduced_grads(self) -> None:
         """Average over ranks the grads of trainable params DDP does not reduce. Collective.
 
-        :meth:`step` does it unless it was done since the last step or ``zero_grad``;
-        integrations call it at the end of each syncing backward, so clipping and
-        GradScaler see averaged grads.
-        """
+        :meth:`step` does it unless done since the last step or ``zero_grad``; integrations
+        call it after each syncing backward, so clipping and GradScaler see averaged grads."""
         if self._comm.world_size > 1:
             average_grads(self._comm, [p for p in self.unreduced_params() if p.requires_grad])
         self._iteration.grads_averaged = True
@@ -315,21 +304,14 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         syncs_every_backward: bool = False,
         grad_scaler: bool = True,
     ) -> None:
-        """Tell the optimizer about the DDP wrapping its params. Call on every rank right
-        after building DDP, before its first backward (the integrations do).
+        """Tell the optimizer about the DDP wrapping its params: on every rank, right after
+        building DDP, before its first backward (the integrations do). Idempotent.
 
-        Records the params DDP reduces (those trainable now; the others' grads are
-        averaged by the optimizer). With ``grad_reduce="reduce_scatter"`` it registers the
-        DDP comm hook that reduce-scatters the grads (falling back, with a logged reason,
-        to DDP's all-reduce when DDP already has a comm hook or a different process
-        group); with ``overlap_param_sync`` it hooks the wrapped module's forwards and
-        makes the process group the overlapped sync runs on (same ranks and backend).
-        ``grad_reduce_default`` / ``overlap_default`` resolve ``"auto"`` / ``None``;
-        ``syncs_every_backward`` (gradient accumulation that syncs every micro-batch)
-        keeps DDP's all-reduce, which such accumulation needs. ``grad_scaler=False``
-        says nothing skips steps on inf/NaN grads (no fp16 ``GradScaler``): the reduce-scatter
-        path then leaves out its per-backward agreement on non-finite grads (a pass over
-        the owned grads, a scalar all-reduce and, on GPUs, a host sync). Idempotent.
+        Records the params DDP reduces; registers the reduce-scatter comm hook and the
+        overlap's forward hooks as chosen (docs/gradient_path.md). The defaults resolve
+        ``"auto"`` / ``None``; ``syncs_every_backward`` (accumulation syncing every
+        micro-batch) keeps DDP's all-reduce; ``grad_scaler=False`` (nothing skips steps on
+        inf/NaN grads) leaves out the per-backward non-finite agreement.
         """
         self._grad.bind(ddp, grad_reduce_default=grad_reduce_default, overlap_default=overlap_default,
                         syncs_every_backward=syncs_every_backward, grad_scaler=grad_scaler)
@@ -362,15 +344,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, parameters=None
     ) -> torch.Tensor:
-        """Clip grads like ``torch.nn.utils.clip_grad_norm_(parameters, ...)``; returns the
-        total norm (before clipping). Collective: every rank passes the same params.
-
-        ``parameters``: some of this optimizer's params (default: all); frozen ones are
-        left out, as they have no grad in a training step. Each rank sums its own
-        elements only (valid whether the grads were all-reduced or reduce-scattered)
-        and one scalar all-reduce makes the total; grads DDP does not reduce are
-        averaged first. No agreement check: the step makes it.
-        """
+        """Clip grads like ``torch.nn.utils.clip_grad_norm_(parameters, ...)`` (default: all
+        params; frozen ones have no grad); returns the total norm before clipping. Collective:
+        every rank passes the same params, sums its own elements, one scalar all-reduce."""
         chosen, pieces, partial = self._clip_args(parameters, "clip_grad_norm_")
         return _clip.clip_norm(self._comm, self._table, chosen, pieces, partial, max_norm=max_norm,
                                norm_type=float(norm_type), error_if_nonfinite=error_if_nonfinite)
@@ -399,9 +375,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         return self._comm.process_group
 
     def release_views(self) -> None:
-        """Give every param that shares its storage with another its own storage, for
-        savers that reject shared storage. The next step rebuilds the buffers from the
-        params' current values on every rank (no optimizer state moves)."""
+        """Give every param sharing its storage its own (for savers that reject shared
+        storage); the next step rebuilds the buffers on every rank, moving no state."""
         self.wait_param_sync()
         self._table.release_shared_storage()
 
@@ -409,21 +384,17 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         """Per-rank trainable elements owned, optimizer-state bytes and fp32 master bytes
         (apart), and the rebuild count. Collective (one small object exchange)."""
         owned = [] if self._partition is None else self._partition.owned()
-        parked = sum(h.state[MASTER_KEY].numel() * 4 for hs in self._lifecycle.parked.values()
-                     for h in hs if MASTER_KEY in h.state)
-        live = parked + (0 if self._partition is None else self._partition.master_bytes())
+        live = self._lifecycle.parked_master_bytes() + (0 if self._partition is None else self._partition.master_bytes())
         return _lifecycle.rank_stats(self._comm, self.rebuilds, owned, self._holdings(), live)
 
     # -- state dict ------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0, *, device: str | torch.device | None = None) -> None:
         """Gather the full optimizer state on rank ``to`` for :meth:`state_dict`. Collective.
 
-        State moves with tensor collectives, a bounded round at a time: rank ``to``
-        needs about the full state once (plus one round), the others about their
-        own shard. ``device="cpu"`` gathers into CPU memory (default: each param's
-        device). State rank ``to`` already holds whole is not copied: like
-        ``torch.optim.Optimizer.state_dict()``, the result shares those tensors with
-        the live state, so save or copy it before the next step.
+        A bounded round at a time: rank ``to`` needs about the full state once, the others
+        their shard. ``device="cpu"`` gathers into CPU memory (default: each param's device).
+        Like ``torch.optim.Optimizer.state_dict()``, the result shares the tensors rank ``to``
+        holds whole with the live state: save or copy it before the next step.
         """
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"to must be a rank in [0, {self._comm.world_size}), got {to}")
@@ -432,17 +403,13 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._lifecycle.consolidated(_lifecycle.consolidate(self._comm, self._table, self._holdings(), to, device))
 
     def state_dict(self) -> dict:
-        """A dict a plain ``optimizer_class`` over the same params would return.
+        """A dict a plain ``optimizer_class`` over the same params would return. Never a collective.
 
-        Never a collective. On one rank, or before any state exists, it is complete.
-        On several ranks call :meth:`consolidate_state_dict` (on all ranks) after the
-        last step and read this on the rank it gathered to. Otherwise ``"state"`` is
-        a ``ShardedState`` handle: reading, pickling or saving it raises an error
-        naming that fix, and only this optimizer's :meth:`load_state_dict` accepts it,
-        keeping the state each rank holds (so Accelerate's ``state_dict()`` /
-        ``load_state_dict()`` round trip in ``AcceleratedOptimizer.__init__`` works at
-        any point of training). After :meth:`refer_to_sharded`, until the state
-        changes, it is a small reference to that sharded checkpoint instead.
+        Complete on one rank or before any state exists; on several ranks, read it on the
+        rank :meth:`consolidate_state_dict` gathered to. Otherwise ``"state"`` is a
+        ``ShardedState`` handle that only this optimizer's :meth:`load_state_dict` accepts
+        (reading, pickling or saving it raises, naming the fix). After
+        :meth:`refer_to_sharded`, until the state changes: a small reference to that checkpoint.
         """
         state = self._lifecycle.state(self._comm.world_size, lambda: self.consolidate_state_dict(0))
         if _sharded.is_reference(state):
@@ -450,14 +417,12 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         return {"state": state, "param_groups": _lifecycle.packed_groups(self.param_groups, encode_values=False)}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a full (PyTorch-format) state dict; each rank keeps what it owns.
+        """Load a full (PyTorch-format) state dict, the same on every rank (CPU is fine); each
+        rank keeps what it owns. Any world size and shard mode. Not a collective.
 
-        Works on any world size and shard mode; every rank must pass the same dict
-        (it may live on the CPU: only this rank's pieces are copied to the device).
-        A dict of another model (group sizes, ``param_names``, state shapes) or
-        another optimizer class raises ``ValueError`` listing the mismatches, and
-        nothing changes. Not a collective. A reference to a sharded checkpoint is
-        kept pending until loaded (:meth:`load_pending_sharded`); stepping before raises.
+        Another model's or optimizer class's dict raises ``ValueError`` listing the mismatches,
+        and nothing changes. A sharded checkpoint's reference stays pending until
+        :meth:`load_pending_sharded` (stepping before raises).
         """
         if _sharded.is_reference(state_dict):
             self._lifecycle.expect_reference(_sharded.reference_info(state_dict))
@@ -477,22 +442,16 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- sharded checkpoints -----------------------------------------------------------
     def save_sharded(self, path: str | os.PathLike) -> None:
-        """Write a sharded checkpoint to directory ``path`` (its own; all ranks must see it),
-        each rank its own state, with no gather. Collective.
-
-        Atomic: until it returns the directory keeps its previous checkpoint. See
-        :mod:`hf_zero._sharded` for the format and ``hf-zero consolidate`` / ``inspect``.
-        """
+        """Write a sharded checkpoint to directory ``path`` (its own, seen by all ranks), each
+        rank its own state, no gather; atomic. Collective. Format: :mod:`hf_zero._sharded`."""
         self._table.check_agreement(self._comm)
         self._lifecycle.check_pending()
         _lifecycle.write_sharded(self, self._comm, self._table, self._holdings(), path)
 
     def load_sharded(self, path: str | os.PathLike) -> None:
-        """Load a sharded checkpoint written on any world size and shard mode. Collective.
-
-        Each rank reads only the ranges it will own. A checkpoint of another model or
-        optimizer class raises ``ValueError`` listing the mismatches; nothing changes.
-        """
+        """Load a sharded checkpoint of any world size and shard mode, each rank reading the
+        ranges it will own. Collective. Another model's or optimizer class's raises
+        ``ValueError`` listing the mismatches; nothing changes."""
         self._table.check_agreement(self._comm)
         groups, held, has_state = _lifecycle.read_sharded(self, self._comm, self._table, path)
         self._adopt_loaded(groups, held, has_state=has_state)
@@ -515,11 +474,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._lifecycle.refer(path, info)
 
     def load_pending_sharded(self, candidates: list[str]) -> str | None:
-        """Load the sharded checkpoint a loaded reference points to, from the first of
-        ``candidates`` (directories), then the path recorded at save time, that holds
-        it; return that directory (None when nothing is pending). Collective; raises,
-        on every rank, naming the directories looked in when no rank-wide agreed one
-        holds it."""
+        """Load the sharded checkpoint a loaded reference points to from the first directory of
+        ``candidates``, then the one recorded at save time, holding it; return it (None: nothing
+        pending). Collective; raises on every rank, naming where it looked, when none holds it."""
         found = _lifecycle.find_pending(self._comm, self._lifecycle.pending, candidates)
         if found is not None:
             self.load_sharded(found)
