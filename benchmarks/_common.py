@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
 def environment(command: str, **extra) -> dict:
     """Where and when a run happened: date, command, checkout, CPU, load, versions; plus ``extra``."""
     cpu = platform.processor() or platform.machine()
@@ -31,18 +32,10 @@ def environment(command: str, **extra) -> dict:
         load = os.getloadavg()[0]
     except OSError:
         load = None
-    return {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": command,
-        "git": commit,
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "load_start": load,
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "transformers": version("transformers"),
-        **extra,
-    }
+    return {"date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": command, "git": commit, "cpu": cpu, "cpu_count": os.cpu_count(), "load_start": load,
+            "python": platform.python_version(), "torch": version("torch"), "transformers": version("transformers"),
+            **extra}
 
 
 def replace_section(doc: Path, begin: str, end: str, md: str) -> None:

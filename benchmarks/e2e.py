@@ -15,34 +15,14 @@ contender in its own DistributedDataParallel (``gradient_as_bucket_view=True``):
 ``hf_zero_rs_overlap``     the same, param sync overlapped with the next forward
 =========================  ====================================================
 
-An iteration is forward + backward + step + ``zero_grad``. Rounds are paired and
-interleaved: each round runs every contender once, in an order shuffled per round
-(seeded, the same on both ranks), at every batch size; the ratio to the baseline is
-taken within the round, and the tables give the median over rounds and the spread.
-
-Each contender's turn in a round is a burst of ``burst`` iterations that starts with
-complete params (nothing in flight) after a barrier. The first iteration is not
-timed; the time from the second forward's start to the end of the last step (when
-the next forward would start), divided by ``burst - 1``, is the steady iteration
-time: it holds as many overlapped param syncs (waited for inside a forward) as
-iterations, exactly like a long run. The last sync is then waited for, untimed, so
-that no collective is in flight while another contender runs (gloo runs a process
-group's collectives in order: a pending sync would slow the next contender down and
-hide its own cost). A burst's time is its slowest rank's.
-
-Bytes per step are counted by wrapping ``torch.distributed``'s collectives in each
-rank during one steady iteration of each timed instance (its last warm-up one).
-DDP's built-in all-reduce runs in C++ and never calls them, so it is counted once on
-a separate, untimed plain-DDP instance that gets torch's ``allreduce_hook`` (the same
-all-reduce, issued from Python) and added to each contender that keeps it. Bytes on the wire per rank follow the standard
-algorithms: ring all-reduce 2B(N-1)/N, broadcast and all-gather B(N-1)/N, all-to-all
-exactly what goes to other ranks.
-
-The Trainer rows run ``Trainer.train()`` with ``optim="zero_bucket"`` (defaults:
-reduce-scatter and overlapped sync) and ``optim="adamw_torch"``, alternating runs in
-a shuffled order; a step is the time between consecutive forward starts (a forward
-pre-hook, not a TrainerCallback: a user callback makes hf_zero drain the overlapped
-sync after each step, see hf_zero/integrations/transformers.py).
+Rounds are paired and interleaved (every contender once per round, in a seeded
+shuffled order, the ratio to the baseline taken within the round); a contender's turn
+is a burst whose first iteration is untimed and whose last sync is waited for untimed,
+so nothing is in flight while another contender runs. Bytes per step are counted by
+wrapping ``torch.distributed``'s collectives (DDP's C++ all-reduce is counted once on an
+untimed plain-DDP instance with torch's ``allreduce_hook``). The Trainer rows alternate
+``optim="zero_bucket"`` and ``optim="adamw_torch"`` runs, a step being the time between
+forward starts. The method in full: docs/benchmarks.md, "End to end".
 """
 
 from __future__ import annotations
@@ -94,16 +74,9 @@ FULL = {
     "trainer": {"batches": [1, 4], "warmup": 4, "steps": 8, "rounds": 3},
     "timeout_s": 2400,  # ~5 min on 2 idle cores; this shared machine has run it 3x slower
 }
-SMOKE = {
-    "model": dict(vocab_size=512, n_positions=16, n_embd=32, n_layer=2, n_head=2),
-    "seq": 16,
-    "batches": [1, 2],
-    "warmup": 5,
-    "burst": 2,
-    "rounds": 1,
-    "trainer": {"batches": [2], "warmup": 4, "steps": 1, "rounds": 1},
-    "timeout_s": 100,
-}
+SMOKE = {**FULL, "model": dict(vocab_size=512, n_positions=16, n_embd=32, n_layer=2, n_head=2), "seq": 16,
+         "batches": [1, 2], "rounds": 1, "trainer": {"batches": [2], "warmup": 4, "steps": 1, "rounds": 1},
+         "timeout_s": 100}
 
 
 # -- one rank ------------------------------------------------------------------------------------------
@@ -562,10 +535,6 @@ def write_docs(doc: Path, md: str, dtype: str = "float32") -> None:
                         END.replace("e2e:", f"e2e-{dtype}:"), md)
 
 
-def environment(argv) -> dict:
-    return _common.environment(" ".join(["python -m benchmarks.e2e", *argv]))
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny model, few steps: seconds, for CI")
@@ -593,7 +562,7 @@ def main(argv=None) -> int:
     cfg["dtype"] = args.dtype
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = environment(argv)
+    env = _common.environment(" ".join(["python -m benchmarks.e2e", *argv]))
     env["smoke"] = args.smoke
     t0 = time.monotonic()
     ranks = run_ranks(e2e_rank, WORLD_SIZE, cfg, timeout=cfg["timeout_s"])

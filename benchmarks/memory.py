@@ -106,17 +106,6 @@ def _permutation_data(spec: dict, n: int, seed: int):
     return [{"input_ids": s, "labels": s} for s in seqs]
 
 
-def master_weights_supported() -> bool:
-    """Whether this checkout's Trainer integration accepts ``master_weights`` in optim_args."""
-    from hf_zero.integrations.transformers import parse_optim_args
-
-    try:
-        parse_optim_args({"master_weights": "false"})
-    except ValueError:
-        return False
-    return True
-
-
 def _train(rank: int, row: tuple, *, spec: dict, steps: int, batch: int, lr: float, seed: int,
            train_data, eval_data=None, logging_steps: int = 0) -> dict:
     os.environ.setdefault("ACCELERATE_USE_CPU", "1")
@@ -127,8 +116,6 @@ def _train(rank: int, row: tuple, *, spec: dict, steps: int, batch: int, lr: flo
 
     transformers.logging.set_verbosity_error()
     dtype, optim, optim_args, extra = row
-    if optim_args and "master_weights" in optim_args and not master_weights_supported():
-        optim_args = None  # this checkout has no masters: today's behaviour, which is pure bf16
     model = _model(spec, dtype)
     # The precision rows count the moved elements; a memory row must not hold a copy of the model.
     initial = None if eval_data is None else [p.detach().clone() for p in model.parameters()]
@@ -181,7 +168,7 @@ def _precision_rank(rank: int, world_size: int, names: list[str], cfg: dict) -> 
 
 
 # -- the analytic breakdown (bytes per param per rank, what holds them) ----------------------------------
-def breakdown(row: str, world_size: int, *, masters: bool) -> dict[str, float]:
+def breakdown(row: str, world_size: int) -> dict[str, float]:
     """What each holder keeps per param on one rank in a steady step (docs/benchmarks.md, "Memory")."""
     dtype, optim, _, _ = MEMORY_ROWS[row]
     w = 2 if dtype == "bfloat16" else 4
@@ -191,8 +178,8 @@ def breakdown(row: str, world_size: int, *, masters: bool) -> dict[str, float]:
         parts["DDP buckets"] = w  # Trainer's DDP: gradient_as_bucket_view=False, a second copy
         parts["optimizer state"] = 2 * w
     else:  # p.grad are views of DDP's buckets; the reduce-scatter's scratch is one bucket at most
-        parts["optimizer state"] = (8 if masters and w == 2 else 2 * w) / n
-        if masters and w == 2:
+        parts["optimizer state"] = (8 if w == 2 else 2 * w) / n
+        if w == 2:
             parts["fp32 masters"] = 4 / n
     return parts
 
@@ -204,7 +191,7 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
         params = per_rank[0]["params"]
         mem[name] = {"params": params, "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
                      "bytes_per_param": max(r["peak_bytes"] for r in per_rank) / params,
-                     "breakdown": breakdown(name, WORLD_SIZE, masters=env["master_weights"])}
+                     "breakdown": breakdown(name, WORLD_SIZE)}
     base = mem.get("adamw_torch", {}).get("bytes_per_param")
     for m in mem.values():
         m["vs_adamw_torch"] = m["bytes_per_param"] / base if base else None
@@ -224,8 +211,7 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
 def markdown(res: dict, figures: list[str]) -> str:
     env, cfg = res["env"], res["config"]
     lines = [f"Run: `{env['command']}` on {env['date_utc']}, checkout `{env['git']}`; {env['cpu']}, "
-             f"{env['cpu_count']} cores; torch {env['torch']}, transformers {env['transformers']}; gloo, 2 ranks; "
-             f"hf_zero master weights in this checkout: {'yes' if env['master_weights'] else 'no'}."
+             f"{env['cpu_count']} cores; torch {env['torch']}, transformers {env['transformers']}; gloo, 2 ranks."
              + (" **Smoke run: tiny models, numbers meaningless.**" if env.get("smoke") else ""), ""]
     if res["memory"]:
         lines += [f"Per-rank peak resident memory (VmHWM, `MALLOC_MMAP_THRESHOLD_=65536`), params included: "
@@ -348,8 +334,7 @@ def main(argv=None) -> int:
         rows = args.rows or [*MEMORY_ROWS, *PRECISION_ROWS]
         mem_rows = [r for r in rows if r in MEMORY_ROWS]
         prec_rows = [r for r in rows if r in PRECISION_ROWS]
-        env = environment(" ".join(["python -m benchmarks.memory", *argv]), smoke=args.smoke,
-                          master_weights=master_weights_supported())
+        env = environment(" ".join(["python -m benchmarks.memory", *argv]), smoke=args.smoke)
         t0 = time.monotonic()
         memory, precision = _measure(mem_rows, prec_rows, cfg, one_spawn=args.smoke)
         env["wall_s"] = time.monotonic() - t0

@@ -23,7 +23,7 @@ def _assert_png(path):
 
 def _synthetic():
     mem = {n: {"params": 1000, "peak_bytes_per_rank": [20_000, 21_000], "bytes_per_param": 21.0, "vs_adamw_torch": 1.0,
-               "breakdown": memory.breakdown(n, 2, masters=True)} for n in memory.MEMORY_ROWS}
+               "breakdown": memory.breakdown(n, 2)} for n in memory.MEMORY_ROWS}
     curve = [(s, 5.5 - 0.01 * s) for s in range(0, 200, 10)]
     prec = {n: {"eval_loss": [2.0], "moved_fraction": [0.5], "train_loss": [curve], "eval_vs_fp32": 1.0}
             for n in memory.PRECISION_ROWS}
@@ -38,10 +38,10 @@ def test_memory_figures_are_valid_pngs(tmp_path):
 
 
 def test_breakdown_counts_what_issue_18_names():
-    fp32 = memory.breakdown("adamw_torch", 2, masters=False)
+    fp32 = memory.breakdown("adamw_torch", 2)
     assert fp32 == {"params": 4, "p.grad": 4, "DDP buckets": 4, "optimizer state": 8}
-    zero = memory.breakdown("zero_bucket", 2, masters=False)
+    zero = memory.breakdown("zero_bucket", 2)
     # grads held once (p.grad are views of DDP's buckets), scratch one bucket: neither per param
     assert zero == {"params": 4, "p.grad": 4, "optimizer state": 4}
-    bf16 = memory.breakdown("zero_bucket_bf16", 8, masters=True)
+    bf16 = memory.breakdown("zero_bucket_bf16", 8)
     assert bf16["params"] == 2 and bf16["fp32 masters"] == 0.5 and bf16["optimizer state"] == 1.0
