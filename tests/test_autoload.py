@@ -327,10 +327,13 @@ def _printed_logs(out: str) -> list[str]:
 @pytest.mark.timeout(330)
 def test_trl_sft_cli_zero_bucket_equals_adamw_torch(tiny_lm, tmp_path):
     """``trl sft`` parses in the parent, then ``accelerate launch`` starts 2 children that
-    parse again: no process imports hf_zero. The script ends with ``trainer.end()``, which
-    destroys the process group: both runs must exit 0. The two runs go one after the other:
-    run at the same time on this 2-core machine, both optimizers' runs hung now and then.
-    Its printed logs are rounded, so the final weights carry the bitwise comparison."""
+    parse again: no process imports hf_zero. The zero_bucket run must exit 0. The plain
+    torch control can hang at exit in torch itself ([Note: exit after a last gather] in
+    hf_zero/integrations/transformers.py: 6 of 48 ``adamw_torch`` runs here; ``zero_bucket``
+    1 of 30 before hf_zero's fix, 0 of 18 after); such a hang, with its outputs complete, is
+    counted as the stack's, and its outputs are still compared. Any other failure of either
+    fails. The runs go one after the other; the printed logs are rounded, so the final
+    weights carry the bitwise comparison."""
     logs = {}
     for optim in ("zero_bucket", "adamw_torch"):
         cmd = [_console_script("trl"), "sft", "--model_name_or_path", str(tiny_lm / "model"), "--dataset_name",
@@ -344,7 +347,10 @@ def test_trl_sft_cli_zero_bucket_equals_adamw_torch(tiny_lm, tmp_path):
         # the script's last outputs: the model, then this line (rank 0)
         run = _start(cmd, tmp_path, lambda out: "Model saved to" in out, HF_DATASETS_CACHE=str(tmp_path / f"cache-{optim}"))
         result = _wait({optim: run}, timeout=150)[optim]
-        _assert_finished(result, f"trl sft --optim {optim}")
+        if optim == "adamw_torch" and result.rc is None and result.outputs_complete:
+            print("the adamw_torch control hung at exit (torch's deadlock, the stack's): counted, outputs compared")
+        else:
+            _assert_finished(result, f"trl sft --optim {optim}")
         logs[optim] = result.out
     assert "'zero_balance'" in logs["zero_bucket"] and "'zero_balance'" not in logs["adamw_torch"]
     assert len(_printed_logs(logs["zero_bucket"])) == 4

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from typing import Any
 
@@ -25,6 +26,7 @@ from ._refusals import refusal, unsupported
 from .accelerate import ours
 
 logger = logging.getLogger(__name__)
+_WORKER_GRACE_S = 0.05  # [Note: exit after a last gather]
 
 SHARDED_DIR = "hf_zero_optimizer"  # inside a Trainer checkpoint, with sharded_checkpoints=True
 
@@ -397,6 +399,12 @@ class ZeroBucketCallback(TrainerCallback):
         opt = self._mine(optimizer)
         if opt is not None:
             opt.wait_param_sync()
+            # [Note: exit after a last gather] Trainer's last collective (store_flos's
+            # all_gather) returns before gloo's worker thread has freed the work, which needs
+            # the GIL; when the process ends right after, torch frees DDP's Reducer holding the
+            # GIL and joins that worker: a deadlock (pytorch#56297; 6 of 48 plain `trl sft --optim
+            # adamw_torch` runs here). Releasing the GIL a moment lets the worker finish.
+            time.sleep(_WORKER_GRACE_S)
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         opt = self._mine(optimizer)
