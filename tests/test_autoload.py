@@ -155,6 +155,17 @@ def _assert_finished(result: _Result, what: str) -> None:
     pytest.fail(f"{what}: {how}, outputs complete: {result.outputs_complete}; output tail:\n{result.out[-6000:]}")
 
 
+def _assert_finished_or_stack_hang(result: _Result, optim: str, what: str) -> None:
+    """As :func:`_assert_finished`, except that the plain-torch control (``adamw_torch``) may
+    hang at exit once its outputs are complete: torch's own deadlock ([Note: exit after a
+    last gather] in hf_zero/integrations/transformers.py), counted and printed; its outputs
+    are still compared. hf_zero's runs get no such allowance."""
+    if optim == "adamw_torch" and result.rc is None and result.outputs_complete:
+        print(f"{what}: the plain-torch control hung at exit (torch's deadlock): counted, outputs compared")
+        return
+    _assert_finished(result, what)
+
+
 def _same_weights(a: Path, b: Path) -> None:
     wa, wb = load_file(a), load_file(b)
     assert sorted(wa) == sorted(wb)
@@ -200,7 +211,7 @@ def trained(tmp_path_factory):
     runs = {optim: _train_any(_cli({**TRAIN_ARGS, "output_dir": d, "optim": optim}), d, root)
             for optim, d in dirs.items()}
     for optim, result in _wait(runs, timeout=170).items():
-        _assert_finished(result, f"train_any.py --optim {optim}")
+        _assert_finished_or_stack_hang(result, optim, f"train_any.py --optim {optim}")
     return dirs
 
 
@@ -347,10 +358,7 @@ def test_trl_sft_cli_zero_bucket_equals_adamw_torch(tiny_lm, tmp_path):
         # the script's last outputs: the model, then this line (rank 0)
         run = _start(cmd, tmp_path, lambda out: "Model saved to" in out, HF_DATASETS_CACHE=str(tmp_path / f"cache-{optim}"))
         result = _wait({optim: run}, timeout=150)[optim]
-        if optim == "adamw_torch" and result.rc is None and result.outputs_complete:
-            print("the adamw_torch control hung at exit (torch's deadlock, the stack's): counted, outputs compared")
-        else:
-            _assert_finished(result, f"trl sft --optim {optim}")
+        _assert_finished_or_stack_hang(result, optim, f"trl sft --optim {optim}")
         logs[optim] = result.out
     assert "'zero_balance'" in logs["zero_bucket"] and "'zero_balance'" not in logs["adamw_torch"]
     assert len(_printed_logs(logs["zero_bucket"])) == 4
