@@ -114,7 +114,7 @@ class StateLifecycle:
 
     def parked_master_bytes(self) -> int:
         """Bytes of the fp32 masters among the parked holdings."""
-        return sum(h.state[MASTER_KEY].numel() * 4 for hs in self._parked.values() for h in hs if MASTER_KEY in h.state)
+        return sum(h.state[MASTER_KEY].nbytes for hs in self._parked.values() for h in hs if MASTER_KEY in h.state)
 
     @property
     def pending(self) -> dict | None:

@@ -158,10 +158,10 @@ def _assert_finished(result: _Result, what: str) -> None:
 def _assert_finished_or_stack_hang(result: _Result, optim: str, what: str) -> None:
     """As :func:`_assert_finished`, except that the plain-torch control (``adamw_torch``) may
     hang at exit once its outputs are complete: torch's own deadlock ([Note: exit after a
-    last gather] in hf_zero/integrations/transformers.py), counted and printed; its outputs
+    last gather] in hf_zero/integrations/transformers.py), reported; its outputs
     are still compared. hf_zero's runs get no such allowance."""
     if optim == "adamw_torch" and result.rc is None and result.outputs_complete:
-        print(f"{what}: the plain-torch control hung at exit (torch's deadlock): counted, outputs compared")
+        print(f"{what}: the plain-torch control hung at exit (torch's deadlock): reported, outputs compared")
         return
     _assert_finished(result, what)
 
@@ -342,7 +342,7 @@ def test_trl_sft_cli_zero_bucket_equals_adamw_torch(tiny_lm, tmp_path):
     torch control can hang at exit in torch itself ([Note: exit after a last gather] in
     hf_zero/integrations/transformers.py: 6 of 48 ``adamw_torch`` runs here; ``zero_bucket``
     1 of 30 before hf_zero's fix, 0 of 18 after); such a hang, with its outputs complete, is
-    counted as the stack's, and its outputs are still compared. Any other failure of either
+    reported as the stack's, and its outputs are still compared. Any other failure of either
     fails. The runs go one after the other; the printed logs are rounded, so the final
     weights carry the bitwise comparison."""
     logs = {}
