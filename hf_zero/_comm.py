@@ -233,12 +233,14 @@ class Comm:
 
         [Note: reduce-scatter scratch]
         The point-to-point and all-to-all paths receive into scratch: one buffer per
-        device, the size of the largest bucket's receive so far, lent to one
-        reduce-scatter at a time. Starting the next one first finishes the one holding
-        it (DDP hands buckets in the same order on every rank, so the peers' sends for it
-        were posted already). So the scratch is at most one bucket's, (N-1)/N of it,
-        never (N-1)/N of all the grads; the bucket in flight still overlaps the
-        backward of the next one.
+        device, lent to one reduce-scatter at a time. Starting the next one first
+        finishes the one holding it (DDP hands buckets in the same order on every rank,
+        so the peers' sends for it were posted already); the bucket in flight still
+        overlaps the backward of the next one. Point-to-point receives of more than
+        ``_SCRATCH_BYTES`` come in pieces through two slots of half that (see
+        :meth:`_send_recv_sum`), so that scratch stays within ``_SCRATCH_BYTES`` however
+        large a bucket is (a tied embedding is one bucket: GPT-2's would otherwise keep
+        74 MiB at 2 ranks); all-to-all's is one bucket's receive.
         """
         how = self._strategy.reduce_scatter_by
         n, world = buffer.numel(), self.world_size
@@ -276,25 +278,7 @@ class Comm:
                     return buffer
 
             elif how == "send_recv":
-                others = [r for r in range(world) if r != self.rank]
-                received = self._take_scratch((world - 1) * (hi - lo), buffer.dtype, buffer.device)
-                chunks = received.view(world - 1, hi - lo)
-                works = self._exchange(
-                    sends=[(r, buffer[clipped[r] : clipped[r + 1]]) for r in others],
-                    recvs=list(zip(others, chunks)),
-                    tag=_TAG_GRADS,
-                )
-
-                def finish():
-                    # Bitwise what DDP's all-reduce gives at 2 ranks, (a + b) / 2 = a / 2 + b / 2
-                    # (a one-pass lerp is within an ulp only: resuming on the all-reduce
-                    # path would then not replay a run exactly).
-                    for chunk in chunks:  # in place: a temporary sum would fault in fresh pages
-                        mine.add_(chunk)
-                    if not early:
-                        mine.div_(world)
-                    self._scratch_holder = None
-                    return buffer
+                works, finish = self._send_recv_sum(buffer, clipped, early)
 
             elif how == "all_to_all":
                 splits = [b - a for a, b in zip(clipped, clipped[1:])]
@@ -322,6 +306,59 @@ class Comm:
         if how in ("send_recv", "all_to_all"):
             self._scratch_holder = pending
         return pending
+
+    def _send_recv_sum(self, buffer: torch.Tensor, clipped: list[int], early: bool):
+        """Point-to-point reduce-scatter of ``buffer``: start it, return (works, finish).
+
+        A range whose receive exceeds ``_SCRATCH_BYTES`` travels in pieces (the cut,
+        :func:`_pieces`, depends only on the range, the world size and the dtype, so
+        sender and receiver agree): every send is posted now, the receives of the first
+        two pieces now and each later one as its slot frees, in ``finish``. Sends are
+        waited for last: a peer posts its later receives only while finishing."""
+        world, rank = self.world_size, self.rank
+        lo, hi = clipped[rank], clipped[rank + 1]
+        mine, others = buffer[lo:hi], [r for r in range(world) if r != rank]
+        size = buffer.element_size()
+        outgoing = [(r, buffer[a:b]) for r in others for a, b in _pieces(clipped[r], clipped[r + 1], world, size)]
+        sends = self._exchange(sends=outgoing, recvs=[], tag=_TAG_GRADS)
+        cuts = _pieces(0, hi - lo, world, size)
+        depth, width = min(2, len(cuts)), max((b - a for a, b in cuts), default=0)
+        slots = self._take_scratch(depth * (world - 1) * width, buffer.dtype, buffer.device)
+        slots = slots.view(depth, world - 1, width)
+
+        def receive(k: int) -> list:
+            n = cuts[k][1] - cuts[k][0]
+            incoming = [(r, slots[k % 2, i, :n]) for i, r in enumerate(others)]
+            return self._exchange(sends=[], recvs=incoming, tag=_TAG_GRADS)
+
+        receiving = [receive(k) for k in range(depth)]
+        if self._keep_works:  # the first piece's receives are kept with the Pending
+            keep(sends + [w for ws in receiving[1:] for w in ws])
+
+        def finish():
+            for k, (a, b) in enumerate(cuts):
+                with _named("reduce-scattering gradients", rank):
+                    for w in receiving[k] if k else ():  # the first piece's: Pending waited (twice would hang gloo)
+                        w.wait()
+                # Bitwise what DDP's all-reduce gives at 2 ranks, (a + b) / 2 = a / 2 + b / 2
+                # (a one-pass lerp is within an ulp only: resuming on the all-reduce path
+                # would then not replay a run exactly). In place: a temporary sum would
+                # fault in fresh pages.
+                for i in range(world - 1):
+                    mine[a:b].add_(slots[k % 2, i, : b - a])
+                if k + 2 < len(cuts):
+                    receiving.append(receive(k + 2))
+                    if self._keep_works:
+                        keep(receiving[-1])
+            with _named("reduce-scattering gradients", rank):
+                for w in sends:
+                    w.wait()
+            if not early:
+                mine.div_(world)
+            self._scratch_holder = None
+            return buffer
+
+        return (receiving[0] if receiving else []), finish
 
     def _take_scratch(self, numel: int, dtype, device) -> torch.Tensor:
         """Receive scratch for one reduce-scatter ([Note: reduce-scatter scratch]): the
@@ -401,6 +438,16 @@ class Comm:
 # Point-to-point tags, one per purpose: gloo matches messages by (peer, tag), in order.
 _TAG_GRADS = 0x68660001
 _TAG_PARAMS = 0x68660002
+_SCRATCH_BYTES = 16 << 20  # the most a point-to-point reduce-scatter receives into at once
+
+
+def _pieces(start: int, stop: int, world: int, itemsize: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` as a point-to-point reduce-scatter moves it: whole when its
+    receive, world - 1 copies, fits in ``_SCRATCH_BYTES``; else in pieces of half that."""
+    if (world - 1) * (stop - start) * itemsize <= _SCRATCH_BYTES:
+        return [(start, stop)] if stop > start else []
+    step = max(1, _SCRATCH_BYTES // (2 * (world - 1) * itemsize))
+    return [(a, min(a + step, stop)) for a in range(start, stop, step)]
 
 
 _SYNC_GROUPS: dict[tuple, tuple] = {}  # (ranks, backend) -> (the world it was made in, group)

@@ -2,11 +2,13 @@
 primitive (point-to-point + sum, all_to_all_single + sum, native reduce_scatter with
 staging, all-reduce), for
 equal padded ranges (flat bucket layouts) and unequal ones (param mode), float64 exact;
-the receive scratch stays within one bucket's however many buckets are in flight."""
+the receive scratch stays within one bucket's however many buckets are in flight, and
+point-to-point's within its bound however large a bucket is."""
 
 import pytest
 import torch
 
+from hf_zero import _comm
 from hf_zero._comm import Comm, Strategy
 from tests._dist import run_ranks
 
@@ -66,9 +68,12 @@ def test_unknown_primitive_is_named_when_the_strategy_is_made():
 BUCKETS = (40, 96, 24, 96, 8)  # elements, fp64; and one bf16 bucket after them
 
 
-def _in_flight(rank, world_size, how):
+def _in_flight(rank, world_size, how, scratch_bytes=None):
     """Start a reduce-scatter per bucket without waiting (as DDP's hooks do during a
-    backward), recording the scratch held after each start; then wait for all."""
+    backward), recording the scratch held after each start; then wait for all.
+    ``scratch_bytes``: the point-to-point scratch bound, shrunk so that buckets come in pieces."""
+    if scratch_bytes is not None:
+        _comm._SCRATCH_BYTES = scratch_bytes
     comm = Comm(strategy=Strategy(reduce_scatter_by=how))
     held, pendings, bufs = [], [], []
     for k, n in enumerate(BUCKETS):
@@ -102,3 +107,18 @@ def test_scratch_is_at_most_one_bucket_with_every_bucket_in_flight(how):
             mean = sum(_local(r * 10 + k, BUCKETS[k]) for r in range(world_size)) / world_size
             lo, hi = bounds[rank], bounds[rank + 1]
             torch.testing.assert_close(buf[lo:hi], mean[lo:hi], rtol=0, atol=1e-15)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_buckets_above_the_scratch_bound_come_in_pieces_bitwise(world_size):
+    # 96 fp64 elements per bound of 128 bytes: 2-8 pieces a range, whole below it; all in flight.
+    bound = 128
+    whole = run_ranks(_in_flight, world_size, "send_recv", timeout=100)
+    pieces = run_ranks(_in_flight, world_size, "send_recv", bound, timeout=100)
+    for rank in range(world_size):
+        held, bufs = pieces[rank]
+        assert 0 < max(held) <= bound, held
+        assert max(whole[rank][0]) > bound  # without the bound the largest receive is bigger
+        for (bounds, buf), (_, ref) in zip(bufs, whole[rank][1]):
+            assert torch.equal(buf, ref)  # the same sums in the same order: bitwise
