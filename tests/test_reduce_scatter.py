@@ -109,16 +109,19 @@ def test_scratch_is_at_most_one_bucket_with_every_bucket_in_flight(how):
             torch.testing.assert_close(buf[lo:hi], mean[lo:hi], rtol=0, atol=1e-15)
 
 
+def _whole_then_pieces(rank, world_size, bound):
+    return _in_flight(rank, world_size, "send_recv"), _in_flight(rank, world_size, "send_recv", bound)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_buckets_above_the_scratch_bound_come_in_pieces_bitwise(world_size):
     # 96 fp64 elements per bound of 128 bytes: 2-8 pieces a range, whole below it; all in flight.
     bound = 128
-    whole = run_ranks(_in_flight, world_size, "send_recv", timeout=100)
-    pieces = run_ranks(_in_flight, world_size, "send_recv", bound, timeout=100)
-    for rank in range(world_size):
-        held, bufs = pieces[rank]
+    per_rank = run_ranks(_whole_then_pieces, world_size, bound, timeout=100)
+    for rank, (whole, pieces) in enumerate(per_rank):
+        held, bufs = pieces
         assert 0 < max(held) <= bound, held
-        assert max(whole[rank][0]) > bound  # without the bound the largest receive is bigger
-        for (bounds, buf), (_, ref) in zip(bufs, whole[rank][1]):
+        assert max(whole[0]) > bound  # without the bound the largest receive is bigger
+        for (bounds, buf), (_, ref) in zip(bufs, whole[1]):
             assert torch.equal(buf, ref)  # the same sums in the same order: bitwise
