@@ -336,21 +336,20 @@ class Comm:
             keep(sends + [w for ws in receiving[1:] for w in ws])
 
         def finish():
-            for k, (a, b) in enumerate(cuts):
-                with _named("reduce-scattering gradients", rank):
+            with _named("reduce-scattering gradients", rank):
+                for k, (a, b) in enumerate(cuts):
                     for w in receiving[k] if k else ():  # the first piece's: Pending waited (twice would hang gloo)
                         w.wait()
-                # Bitwise what DDP's all-reduce gives at 2 ranks, (a + b) / 2 = a / 2 + b / 2
-                # (a one-pass lerp is within an ulp only: resuming on the all-reduce path
-                # would then not replay a run exactly). In place: a temporary sum would
-                # fault in fresh pages.
-                for i in range(world - 1):
-                    mine[a:b].add_(slots[k % 2, i, : b - a])
-                if k + 2 < len(cuts):
-                    receiving.append(receive(k + 2))
-                    if self._keep_works:
-                        keep(receiving[-1])
-            with _named("reduce-scattering gradients", rank):
+                    # Bitwise what DDP's all-reduce gives at 2 ranks, (a + b) / 2 = a / 2 + b / 2
+                    # (a one-pass lerp is within an ulp only: resuming on the all-reduce path
+                    # would then not replay a run exactly). In place: a temporary sum would
+                    # fault in fresh pages.
+                    for i in range(world - 1):
+                        mine[a:b].add_(slots[k % 2, i, : b - a])
+                    if k + 2 < len(cuts):
+                        receiving.append(receive(k + 2))
+                        if self._keep_works:
+                            keep(receiving[-1])
                 for w in sends:
                     w.wait()
             if not early:
