@@ -226,8 +226,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self.ensure_partition()
         if not self._iteration.grads_averaged:
             self.average_unreduced_grads()
-        local_loss = self._partition.step(self.param_groups, kwargs)
-        self._partition.sync(self._comm, self._table.params, self._grad.overlap)
+        local_loss = self._partition.step_and_sync(self.param_groups, kwargs, self._comm, self._table.params,
+                                                   self._grad.overlap)
         self._iteration = _Iteration()
         self._grad.step_taken()
         self._lifecycle.stepped()

@@ -12,6 +12,18 @@ The local optimizer steps each piece's ``tensor``: the piece of the param itself
 of its buffer), or, for a 16-bit param with master weights, the piece's fp32 master
 (``LocalPiece.tensor`` distinct from ``LocalPiece.view``), which the step rounds back
 into ``view`` (see [Note: master weights] in _masters.py).
+
+[Note: pipelined sync]
+Without the overlapped sync, :meth:`Partition.step_and_sync` steps the pieces buffer by
+buffer (torch's own optimizers only, as for master chunks: see ``_step_chunks``) and
+starts each buffer's sync, asynchronously, once this rank's pieces of it are stepped, so
+its transfer runs while the next buffer's pieces are stepped; it waits for every sync
+before returning, so no one sees a buffer before its receives are waited for. Every
+rank starts the syncs in buffer order, which gloo's point-to-point matching needs. The
+sends read only this rank's ranges, which no later chunk writes; the receives write
+only the other ranks' ranges, which the step never reads. Measured (bf16 GPT-2 of
+benchmarks.e2e, 2 gloo ranks, rank 0's step with reduce-scatter): 76-89 ms before,
+61-68 ms after, plain DDP + AdamW 45-56 ms.
 """
 
 from __future__ import annotations
@@ -164,17 +176,46 @@ class Partition:
                 return None if b is None else self.layout.buffers[b].bounds
         return None
 
-    # -- the step ----------------------------------------------------------------------
-    def step(self, param_groups: list[dict], kwargs: dict) -> Any:
+    # -- the step ---------------------------------------------------------------------
+    def step_and_sync(self, param_groups: list[dict], kwargs: dict, comm: Comm, params: tuple[torch.Tensor, ...],
+                      overlap) -> Any:
+        """:meth:`step`, then :meth:`sync`. Blocking syncs of bucket views are pipelined
+        (see [Note: pipelined sync]); the result is the same."""
+        if comm.world_size == 1 or overlap is not None or not self.bucket_view:
+            loss = self.step(param_groups, kwargs)
+            self.sync(comm, params, overlap)
+            return loss
+        plans, pending = self.layout.buffers, []
+
+        def launch(b: int) -> None:
+            pending.append(comm.sync_buffer(self.buffers[b], plans[b].bounds, async_op=True))
+
+        loss = self.step(param_groups, kwargs, buffer_done=launch)
+        for p in pending:
+            if p is not None:
+                p.wait()
+        return loss
+
+    def step(self, param_groups: list[dict], kwargs: dict, buffer_done=None) -> Any:
         """Step this rank's pieces with the matching slices of their params' grads.
         Hyperparameters are copied in before and back after (the local optimizer may
-        change its own, as with torch's ZeroRedundancyOptimizer)."""
+        change its own, as with torch's ZeroRedundancyOptimizer). ``buffer_done(b)`` is
+        called for every buffer, in buffer order, once this rank's pieces of it are stepped."""
         for inner_group, group in zip(self.inner.param_groups, param_groups):
             inner_group.update(hyperparams(group))
         flat = self.shard == "flat"
         loss = None
+        done = 0  # buffers handed to buffer_done
+
+        def done_through(end: int) -> None:
+            nonlocal done
+            while done < end:
+                done += 1
+                buffer_done(done - 1)
+
         try:
-            for chunk in self._step_chunks(kwargs):
+            chunks = self._step_chunks(kwargs, by_buffer=buffer_done is not None)
+            for i, chunk in enumerate(chunks):
                 for lp in chunk:
                     g = lp.param.grad
                     if g is not None and flat:
@@ -189,6 +230,10 @@ class Partition:
                     if lp.master is not None and lp.tensor.grad is not None:
                         lp.master.write_back()
                     lp.tensor.grad = None
+                if buffer_done is not None and i + 1 < len(chunks):
+                    done_through(chunks[i + 1][0].piece.buffer)
+            if buffer_done is not None:
+                done_through(len(self.buffers))
         finally:
             for lp in self.pieces:
                 lp.tensor.grad = None
@@ -196,20 +241,22 @@ class Partition:
             group.update(hyperparams(inner_group))
         return loss
 
-    def _step_chunks(self, kwargs: dict) -> list[tuple[LocalPiece, ...]]:
+    def _step_chunks(self, kwargs: dict, *, by_buffer: bool = False) -> list[tuple[LocalPiece, ...]]:
         """The pieces in the groups the local optimizer steps one after the other.
 
         A master's fp32 grad is a copy (4 bytes per element): stepping all at once would
         hold one for every piece. torch's own optimizers update each param from its own
         grad and state only (params without a grad are skipped), so stepping them a chunk
-        at a time is the same update with one chunk of fp32 grads alive. Any other
-        optimizer (which may count its ``step`` calls) is stepped once."""
-        if (kwargs or not any(lp.master is not None for lp in self.pieces)
-                or not type(self.inner).__module__.startswith("torch.optim.")):
+        at a time is the same update with one chunk of fp32 grads alive. ``by_buffer``: a
+        chunk never spans two buffers. Any other optimizer (which may count its ``step``
+        calls) is stepped once."""
+        masters = any(lp.master is not None for lp in self.pieces)
+        if kwargs or not (masters or by_buffer) or not type(self.inner).__module__.startswith("torch.optim."):
             return [self.pieces]
         chunks, size = [[]], 0
         for lp in self.pieces:
-            if size and size + lp.tensor.numel() > _GRAD_CHUNK_ELEMENTS:
+            if chunks[-1] and ((masters and size + lp.tensor.numel() > _GRAD_CHUNK_ELEMENTS)
+                               or (by_buffer and lp.piece.buffer != chunks[-1][-1].piece.buffer)):
                 chunks.append([])
                 size = 0
             chunks[-1].append(lp)

@@ -53,6 +53,8 @@ def _batch(step, rank):
 
 
 def _train(rank, world_size, *, overlap: bool, seam: bool, peek: bool = False):
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
     from hf_zero import ZeroBucketOptimizer
 
     model = AttnLM()
@@ -61,10 +63,21 @@ def _train(rank, world_size, *, overlap: bool, seam: bool, peek: bool = False):
     ddp = DDP(model, bucket_cap_mb=0.25)
     opt.bind_ddp(ddp)
     started = delay_param_receives(opt.gradient_path.comm) if seam else []
+    events = []  # "step": the local optimizer steps a chunk; "sync": a buffer's sync starts
+    comm, real_sync = opt.gradient_path.comm, opt.gradient_path.comm.sync_buffer
+
+    def sync_buffer(*args, **kwargs):
+        events.append("sync")
+        return real_sync(*args, **kwargs)
+
+    comm.sync_buffer = sync_buffer
+    hook = register_optimizer_step_pre_hook(
+        lambda o, args, kwargs: events.append("step") if o is not opt else None)
     model.head = TiedHead(model.emb)
     stale = []
     for step in range(STEPS):
         ddp(*_batch(step, rank)).backward()
+        events.append("|")
         opt.step()
         opt.zero_grad(set_to_none=True)
         if peek:  # read out_proj.weight without waiting, then after the wait
@@ -72,7 +85,9 @@ def _train(rank, world_size, *, overlap: bool, seam: bool, peek: bool = False):
             opt.wait_param_sync()
             stale.append(not torch.equal(before, model.attn.out_proj.weight))
     opt.wait_param_sync()
+    hook.remove()
     return {
+        "events": events,
         "params": [p.detach().clone() for p in model.parameters()],
         "overlap": opt.overlaps_param_sync,
         "delayed": len(started),
@@ -92,6 +107,27 @@ def test_overlap_with_delayed_receives_equals_no_overlap_bitwise():
         for got, want in zip(overlapped[rank]["params"], plain[rank]["params"]):
             assert torch.equal(got, want)
     for got, want in zip(overlapped[0]["params"], overlapped[1]["params"]):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.timeout(200)
+def test_pipelined_blocking_sync_with_delayed_receives_equals_plain_bitwise():
+    """Without overlap, each buffer's sync starts as soon as this rank's pieces of it are
+    stepped, while the next buffer's are stepped ([Note: pipelined sync]); the step waits
+    for every receive before it returns."""
+    plain = run_ranks(_train, 2, overlap=False, seam=False, timeout=90)
+    delayed = run_ranks(_train, 2, overlap=False, seam=True, timeout=90)
+    for rank in range(2):
+        assert not delayed[rank]["overlap"]
+        assert delayed[rank]["delayed"] > STEPS, delayed[rank]["buckets"]  # async, several buffers a step
+        # Once the buffers follow DDP's buckets (from the third step: DDP rebuilds them
+        # after its first iteration), every step starts a sync before its last chunk.
+        steps = " ".join(delayed[rank]["events"]).split("|")[1:]
+        assert len(steps) == STEPS and all(s.count("sync") > 1 for s in steps[2:]), steps
+        assert all("sync step" in s for s in steps if s.count("sync") > 1), steps
+        for got, want in zip(delayed[rank]["params"], plain[rank]["params"]):
+            assert torch.equal(got, want)
+    for got, want in zip(delayed[0]["params"], delayed[1]["params"]):
         assert torch.equal(got, want)
 
 
