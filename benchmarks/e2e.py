@@ -543,6 +543,8 @@ def main(argv=None) -> int:
                                                      "(default: docs/benchmarks.md for a full run, none for --smoke)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the model's dtype (bfloat16: loaded in bf16, Trainer with bf16=True)")
+    parser.add_argument("--trainer-rounds", type=int, default=None, metavar="N",
+                        help="paired Trainer runs per batch size (default 3; more narrow the Trainer ratio)")
     parser.add_argument("--render", nargs="+", metavar="E2E_JSON", default=None,
                         help="run nothing: write the section from saved runs' e2e.json files (the last one in "
                              "full, then every run's medians side by side) to --docs (default docs/benchmarks.md)")
@@ -560,6 +562,10 @@ def main(argv=None) -> int:
         return 0
     cfg = copy.deepcopy(SMOKE if args.smoke else FULL)
     cfg["dtype"] = args.dtype
+    if args.trainer_rounds is not None:
+        if args.trainer_rounds < 1:
+            parser.error(f"--trainer-rounds must be at least 1, got {args.trainer_rounds}")
+        cfg["trainer"]["rounds"] = args.trainer_rounds
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = _common.environment(" ".join(["python -m benchmarks.e2e", *argv]))
