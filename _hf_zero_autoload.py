@@ -23,6 +23,7 @@ import threading
 
 ENV_VAR = "HF_ZERO_AUTOLOAD"
 TARGET = "hf_zero._autoload"
+OPTIM_NAME = "zero_bucket"  # hf_zero.integrations.OPTIM_NAME (this module imports no hf_zero)
 
 # watched module -> the function of TARGET to call once it has finished executing
 _AT_START = {"transformers.training_args": "optim_name", "transformers.trainer": "trainer"}
@@ -42,9 +43,25 @@ def enabled() -> bool:
 
 
 def start() -> None:
-    """Interpreter-start entry point (the ``.pth`` line): watch transformers unless turned off."""
+    """Interpreter-start entry point (the ``.pth`` line): watch transformers unless turned off.
+
+    Turned off, it only says so when the command line names ``zero_bucket``: otherwise
+    the script's parser would refuse ``--optim zero_bucket`` with no hint why."""
     if enabled():
         _watch(_AT_START)
+    elif any(OPTIM_NAME in str(arg) for arg in getattr(sys, "argv", ())):
+        _report_off()
+
+
+
+def _report_off() -> None:
+    try:
+        sys.stderr.write(
+            f"hf_zero: the command line names {OPTIM_NAME!r}, but {ENV_VAR}="
+            f"{os.environ.get(ENV_VAR)} has switched off hf_zero's start-up hook, so transformers does not know "
+            f"optim={OPTIM_NAME!r} unless the script imports hf_zero. Unset {ENV_VAR} to use it.\n")
+    except Exception:  # noqa: BLE001 - no stderr: nothing more to do
+        pass
 
 
 def install() -> None:

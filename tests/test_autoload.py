@@ -278,6 +278,8 @@ def test_autoload_off_refuses_zero_bucket_and_import_hf_zero_still_registers(tmp
     }, timeout=100)
     off, explicit = done["off"], done["explicit"]
     assert off.rc == 2 and "argument --optim: invalid choice: 'zero_bucket'" in off.out, off.out[-3000:]
+    # ... and says why, before the parser's refusal
+    assert "HF_ZERO_AUTOLOAD=0 has switched off hf_zero's start-up hook" in off.out, off.out[-3000:]
     assert explicit.rc == 0, explicit.out[-3000:]
     assert (tmp_path / "out" / "done-0").exists()
 
@@ -397,6 +399,21 @@ def test_interpreter_start_imports_only_the_hook(tmp_path, autoload, finders):
     assert rc == 0, out
     assert out.splitlines() == ["['_hf_zero_autoload']", finders], (
         f"{out}\nIs hf_zero installed (pip install -e .)? Its hf_zero_autoload.pth runs the hook.")
+
+
+@pytest.mark.timeout(60)
+def test_autoload_off_says_so_only_when_the_command_line_names_zero_bucket(tmp_path):
+    import _hf_zero_autoload
+
+    from hf_zero.integrations import OPTIM_NAME
+
+    assert _hf_zero_autoload.OPTIM_NAME == OPTIM_NAME
+    rc, named = _run([sys.executable, "-c", "pass", "--optim", "zero_bucket"], tmp_path, timeout=30, HF_ZERO_AUTOLOAD="off")
+    assert rc == 0 and "HF_ZERO_AUTOLOAD=off has switched off hf_zero's start-up hook" in named, named
+    rc, other = _run([sys.executable, "-c", "pass", "--optim", "adamw_torch"], tmp_path, timeout=30, HF_ZERO_AUTOLOAD="0")
+    assert rc == 0 and "hf_zero" not in other, other
+    rc, on = _run([sys.executable, "-c", "pass", "--optim", "zero_bucket"], tmp_path, timeout=30)
+    assert rc == 0 and "hf_zero" not in on, on
 
 
 def _wheel_files(wheel: Path) -> dict[str, bytes]:
