@@ -406,7 +406,8 @@ class ZeroBucketCallback(TrainerCallback):
             # all_gather) returns before gloo's worker thread has freed the work, which needs
             # the GIL; when the process ends right after, torch frees DDP's Reducer holding the
             # GIL and joins that worker: a deadlock (pytorch#56297; 6 of 48 plain `trl sft --optim
-            # adamw_torch` runs here). Releasing the GIL a moment lets the worker finish.
+            # adamw_torch` runs here). Releasing the GIL a moment gives the worker the chance to
+            # finish first; that it lowers the rate is not shown (docs/known_limits.md, "Exit").
             time.sleep(_WORKER_GRACE_S)
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
