@@ -343,7 +343,7 @@ def test_trl_sft_cli_zero_bucket_equals_adamw_torch(tiny_lm, tmp_path):
     parse again: no process imports hf_zero. The zero_bucket run must exit 0. The plain
     torch control can hang at exit in torch itself ([Note: exit after a last gather] in
     hf_zero/integrations/transformers.py: 6 of 48 ``adamw_torch`` runs here; ``zero_bucket``
-    1 of 30 before hf_zero's fix, 0 of 18 after); such a hang, with its outputs complete, is
+    1 of 30 before the 50 ms at train end, 0 of 18 after: too few runs to tell apart); such a hang, with its outputs complete, is
     reported as the stack's, and its outputs are still compared. Any other failure of either
     fails. The runs go one after the other; the printed logs are rounded, so the final
     weights carry the bitwise comparison."""
