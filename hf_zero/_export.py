@@ -249,7 +249,7 @@ def _load_weights(file: str) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(file)
-    sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    sd = _torch_load(file)
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise ValueError(f"checkpoint: {file} is not a state dict of tensors")
     return sd
@@ -284,10 +284,19 @@ def _load_optimizer_file(file: str):
         raise ValueError(f"checkpoint: {file} is not an optimizer state: name the checkpoint directory, its "
                          "optimizer.pt or its hf_zero_optimizer/ (and --model for model weights elsewhere)")
     try:
-        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        return _torch_load(file)
     except Exception as e:  # torch raises several types for a file that is not its format
         raise ValueError(f"checkpoint: {file} is not a torch.save'd optimizer state dict ({type(e).__name__}: "
                          f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def _torch_load(file: str):
+    try:  # memory-mapped: only the tensors used are read
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as e:
+        if "mmap" not in str(e):  # a file in torch's legacy (non-zip) format cannot be mapped
+            raise
+        return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def _sharded_masters(directory: str) -> dict[str, torch.Tensor]:

@@ -61,14 +61,23 @@ def _export(capsys, *argv):
 
 
 # -- single-process checkpoints ------------------------------------------------------------
-def _trainer_checkpoint(directory, *, masters=True, names=("a.weight", "b.weight")):
-    """A Trainer-style checkpoint: bf16 model.safetensors, optimizer.pt whose state holds masters for a.weight."""
+def _trainer_checkpoint(directory, *, masters=True, names=("a.weight", "b.weight"), weights="model.safetensors"):
+    """A Trainer-style checkpoint: bf16 model weights (``weights``: the file or index Trainer writes) and
+    optimizer.pt whose state holds masters for a.weight."""
     os.makedirs(directory)
     g = torch.Generator().manual_seed(0)
     master_a = torch.randn(3, 4, generator=g, dtype=torch.float32) * 1e-3 + 1.0  # differs from its bf16 rounding
     frozen_b = torch.randn(5, generator=g).to(torch.bfloat16)
-    save_file({"a.weight": master_a.to(torch.bfloat16), "b.weight": frozen_b, "pos": torch.arange(3)},
-              os.path.join(directory, "model.safetensors"))
+    sd = {"a.weight": master_a.to(torch.bfloat16), "b.weight": frozen_b, "pos": torch.arange(3)}
+    if weights == "model.safetensors":
+        save_file(sd, os.path.join(directory, weights))
+    elif weights == "pytorch_model.bin":
+        torch.save(sd, os.path.join(directory, weights))
+    else:  # index-sharded
+        from huggingface_hub import save_torch_state_dict
+
+        save_torch_state_dict(sd, directory, max_shard_size=30)
+        assert os.path.isfile(os.path.join(directory, "model.safetensors.index.json"))
     state = {0: {"step": torch.tensor(3.0), "exp_avg": torch.zeros(3, 4), "exp_avg_sq": torch.zeros(3, 4)}}
     if masters:
         state[0]["master_param"] = master_a.clone()
@@ -77,11 +86,12 @@ def _trainer_checkpoint(directory, *, masters=True, names=("a.weight", "b.weight
     return master_a, frozen_b
 
 
-@pytest.mark.reliability("consolidate --weights on a checkpoint with bf16 weights and fp32 masters",
+@pytest.mark.reliability("consolidate --weights on a checkpoint with bf16 weights ({weights}) and fp32 masters",
                          "masters written bitwise, other weights upcast, non-float buffers kept")
-def test_weights_take_masters_and_upcast_the_rest(tmp_path, capsys):
+@pytest.mark.parametrize("weights", ["model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"])
+def test_weights_take_masters_and_upcast_the_rest(tmp_path, capsys, weights):
     directory = str(tmp_path / "checkpoint-3")
-    master_a, frozen_b = _trainer_checkpoint(directory)
+    master_a, frozen_b = _trainer_checkpoint(directory, weights=weights)
     out = str(tmp_path / "fp32.safetensors")
     code, printed, _ = _export(capsys, directory, "--weights", out)
     assert code == 0
