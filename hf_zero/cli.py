@@ -79,9 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     merge = sub.add_parser(
         "consolidate",
         help="merge a sharded optimizer checkpoint into one plain PyTorch optimizer state dict (CPU, no process group)",
-        description="Merge the directory written by optimizer.save_sharded() into a torch.save'd optimizer state "
-        "dict, optimizer state included, loadable with torch.load(weights_only=True) into the plain optimizer "
-        "class or into ZeroBucketOptimizer.load_state_dict() on any world size.",
+        description="Merge the directory written by optimizer.save_sharded() into a torch.save'd optimizer state\n"
+        "dict, optimizer state included, loadable with torch.load(weights_only=True) into the plain optimizer\n"
+        "class or into ZeroBucketOptimizer.load_state_dict() on any world size; or, with --weights, write\n"
+        "the model's float32 weights from the fp32 master weights.",
+        epilog="examples:\n"
+        "  hf-zero consolidate ckpt/optimizer optimizer.pt\n"
+        "  hf-zero consolidate out/checkpoint-500 optimizer.pt\n"
+        "  hf-zero consolidate out/checkpoint-500 --weights fp32-model          # from_pretrained('fp32-model')\n"
+        "  hf-zero consolidate out/checkpoint-500 --weights fp32.safetensors\n"
+        "  hf-zero consolidate ckpt/optimizer --weights fp32.safetensors --model ckpt/model.safetensors",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     merge.add_argument("checkpoint", help="directory written by optimizer.save_sharded(), or a Trainer / Accelerate "
                        "checkpoint directory or its optimizer.pt / optimizer.bin (a sharded reference is followed to "
