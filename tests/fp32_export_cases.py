@@ -53,7 +53,7 @@ def run(rank, world_size, *, output_dir, sharded):
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
     args = TrainingArguments(
         output_dir=output_dir, per_device_train_batch_size=2, max_steps=4, save_strategy="steps", save_steps=2,
-        learning_rate=1e-3, optim="zero_bucket", optim_args="sharded_checkpoints=true" if sharded else None,
+        learning_rate=1e-3, optim="zero_bucket", optim_args=f"sharded_checkpoints={str(sharded).lower()}",
         train_sampling_strategy="sequential", logging_steps=1, report_to=[], use_cpu=True, seed=0,
         disable_tqdm=True,
     )

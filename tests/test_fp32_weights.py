@@ -268,7 +268,8 @@ def test_usage_doc_consolidate_lines_parse_as_documented():
 # -- a real Trainer run: bf16 tiny Llama, 2 ranks, optim="zero_bucket" --------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two 2-rank Trainer runs (optimizer.pt consolidated; sharded_checkpoints=true), checkpoints at
+    """Two 2-rank Trainer runs (sharded_checkpoints=false: a consolidated optimizer.pt, the optimizer's own
+    masters, whatever the default; sharded_checkpoints=true), checkpoints at
     steps 2 and 4, each checkpoint's weights re-saved in 4 safetensors files (as Trainer writes a
     model over its 50 GB shard size)."""
     from huggingface_hub import save_torch_state_dict
