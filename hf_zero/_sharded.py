@@ -297,8 +297,9 @@ class Checkpoint:
             return f.get_slice(spec["tensor"])[lo:hi]
         return f.get_tensor(spec["tensor"]).reshape(-1)[lo:hi]
 
-    def read(self, j: int, start: int, stop: int, piece_shape: tuple[int, ...]) -> dict | None:
-        """State of elements ``start:stop`` of saved param ``j``, stepped as ``piece_shape``; None if it has none."""
+    def read(self, j: int, start: int, stop: int, piece_shape: tuple[int, ...], keys=None) -> dict | None:
+        """State of elements ``start:stop`` of saved param ``j``, stepped as ``piece_shape``; None if it has none.
+        ``keys``: read only these state keys (those the param has)."""
         pieces = self.pieces.get(j)
         if not pieces:
             return None
@@ -315,6 +316,8 @@ class Checkpoint:
             raise ValueError(f"hf_zero: the pieces of param {self.label(j)} in the checkpoint hold different state keys")
         out: dict[str, Any] = {}
         for key, spec in over[0].state.items():
+            if keys is not None and key not in keys:
+                continue
             if "value" in spec:
                 out[key] = decode(spec["value"])
                 continue

@@ -17,24 +17,51 @@ def _consolidate(args) -> int:
     from . import _offline
 
     if args.weights:
-        if args.output:
-            raise ValueError("--weights: give either an output state dict file or --weights, not both")
-        weights = _offline.fp32_weights(args.checkpoint)
-        _offline.save_weights(weights, args.weights)
-        print(f"wrote {args.weights}: {len(weights)} float32 weights")
-        return 0
+        return _export_weights(args)
+    if args.model or args.max_shard_size:
+        raise ValueError("--model and --max-shard-size go with --weights")
     if not args.output:
         raise ValueError("output: name the state dict file to write (or --weights FILE.safetensors)")
-    state_dict = _offline.consolidate_checkpoint(args.checkpoint)
+    from . import _export
+
+    state_dict = _offline.consolidate_checkpoint(_export.sharded_source(args.checkpoint))
     _offline.save_state_dict(state_dict, args.output)
     print(f"wrote {args.output}: state of {len(state_dict['state'])} params in {len(state_dict['param_groups'])} param groups")
+    return 0
+
+
+def _export_weights(args) -> int:
+    import os
+
+    from . import _export
+
+    if args.output:
+        raise ValueError(f"--weights: give either an output state dict file or --weights, not both (got "
+                         f"{args.output!r} too; the order is: hf-zero consolidate CHECKPOINT --weights OUT)")
+    as_file = args.weights.endswith(".safetensors")
+    if as_file and args.max_shard_size:
+        raise ValueError("--max-shard-size: only for a directory output (--weights DIR)")
+    max_shard = _export.parse_size(args.max_shard_size or "5GB")  # checked before the (long) read
+    export = _export.fp32_export(args.checkpoint, model=args.model)
+    if as_file:
+        _export.write_file(export, args.weights)
+        out = args.weights
+    else:
+        files = _export.write_directory(export, args.weights, max_shard)
+        out = os.path.join(args.weights, files[0] if len(files) == 1 else "model.safetensors.index.json")
+    first, *rest = export.summary(out)
+    print(first)
+    for line in rest:
+        print(line, file=sys.stderr)
     return 0
 
 
 def _inspect(args) -> int:
     from . import _offline
 
-    print(_offline.inspect_checkpoint(args.checkpoint))
+    from . import _export
+
+    print(_offline.inspect_checkpoint(_export.sharded_source(args.checkpoint)))
     return 0
 
 
@@ -52,20 +79,38 @@ def build_parser() -> argparse.ArgumentParser:
     merge = sub.add_parser(
         "consolidate",
         help="merge a sharded optimizer checkpoint into one plain PyTorch optimizer state dict (CPU, no process group)",
-        description="Merge the directory written by optimizer.save_sharded() into a torch.save'd optimizer state "
-        "dict, optimizer state included, loadable with torch.load(weights_only=True) into the plain optimizer "
-        "class or into ZeroBucketOptimizer.load_state_dict() on any world size.",
+        description="Merge the directory written by optimizer.save_sharded() into a torch.save'd optimizer state\n"
+        "dict, optimizer state included, loadable with torch.load(weights_only=True) into the plain optimizer\n"
+        "class or into ZeroBucketOptimizer.load_state_dict() on any world size; or, with --weights, write\n"
+        "the model's float32 weights from the fp32 master weights.",
+        epilog="examples:\n"
+        "  hf-zero consolidate ckpt/optimizer optimizer.pt\n"
+        "  hf-zero consolidate out/checkpoint-500 optimizer.pt\n"
+        "  hf-zero consolidate out/checkpoint-500 --weights fp32-model          # from_pretrained('fp32-model')\n"
+        "  hf-zero consolidate out/checkpoint-500 --weights fp32.safetensors\n"
+        "  hf-zero consolidate ckpt/optimizer --weights fp32.safetensors --model ckpt/model.safetensors",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    merge.add_argument("checkpoint", help="directory written by optimizer.save_sharded() (with --weights also a "
-                       "Trainer checkpoint directory or an optimizer state dict file)")
+    merge.add_argument("checkpoint", help="directory written by optimizer.save_sharded(), or a Trainer / Accelerate "
+                       "checkpoint directory or its optimizer.pt / optimizer.bin (a sharded reference is followed to "
+                       "the directory carrying its token)")
     merge.add_argument("output", nargs="?", help="file to write (written atomically)")
-    merge.add_argument("--weights", metavar="FILE.safetensors",
-                       help="instead write float32 model weights: the optimizer's master weights, the other "
-                       "weights of model.safetensors upcast (as DeepSpeed's zero_to_fp32.py)")
+    merge.add_argument("--weights", metavar="OUT",
+                       help="instead write float32 model weights (as DeepSpeed's zero_to_fp32.py): each weight of the "
+                       "checkpoint's model files (model.safetensors or model.safetensors.index.json) from its fp32 "
+                       "master where the optimizer state holds one that rounds to the saved weight, else the saved "
+                       "weight upcast. OUT ending in .safetensors: one file (load_state_dict); else a directory "
+                       "from_pretrained loads (weights, config.json with dtype float32, tokenizer files)")
+    merge.add_argument("--model", metavar="DIR_OR_FILE",
+                       help="with --weights: the model weights (directory, .safetensors/.bin file or .index.json) "
+                       "when they are not in or next to CHECKPOINT, e.g. for a plain save_sharded() directory")
+    merge.add_argument("--max-shard-size", metavar="SIZE",
+                       help="with --weights DIR: split the weights into files of at most SIZE (default 5GB)")
     merge.set_defaults(handler=_consolidate)
 
     show = sub.add_parser("inspect", help="print what a sharded optimizer checkpoint holds")
-    show.add_argument("checkpoint", help="directory written by optimizer.save_sharded()")
+    show.add_argument("checkpoint", help="directory written by optimizer.save_sharded(), or a Trainer / Accelerate "
+                      "checkpoint (directory or optimizer file) whose optimizer state is a sharded reference")
     show.set_defaults(handler=_inspect)
     return parser
 

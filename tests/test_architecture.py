@@ -23,6 +23,7 @@ LAYERS = [
     "_statedict",
     "_sharded",
     "_offline",
+    "_export",
     "_overlap",
     "_scatter_hook",
     "_gradpath",
