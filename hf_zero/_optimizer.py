@@ -47,7 +47,9 @@ def _checked_options(optimizer_class, overlap_with_ddp: bool, shard: str, grad_r
     if shard == "flat" and not is_elementwise(optimizer_class):
         raise ValueError(
             f"shard='flat' splits params across ranks, which is only exact for elementwise "
-            f"optimizers; {optimizer_class.__name__} is not one: use shard='param'"
+            f"optimizers; {optimizer_class.__name__} is not known to be one (a subclass is not its base: it "
+            f"may add a per-tensor rule): use shard='param', or declare it in the class body with "
+            f"hf_zero_elementwise = True if updating any slice of a param alone equals updating the whole"
         )
     if grad_reduce not in GRAD_REDUCE:
         raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE}, got {grad_reduce!r}")
@@ -100,8 +102,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         parameters_as_bucket_view: trainable params' ``.data`` are views into flat
             buffers, so the sync moves whole buffers (default ``True``; torch's ``False``).
         overlap_with_ddp: accepted for torch compatibility; only ``False`` is supported.
-        shard: ``"flat"`` (equal ranges; elementwise optimizers only), ``"param"`` (whole
-            params; any optimizer) or ``"auto"`` (flat when ``optimizer_class`` is elementwise).
+        shard: ``"flat"`` (equal ranges; elementwise optimizers: torch's exact classes, or one whose body
+            says ``hf_zero_elementwise = True``), ``"param"`` (whole params; any) or ``"auto"`` (flat if so).
         grad_reduce: ``"all_reduce"`` (DDP's own) or ``"reduce_scatter"`` (after
             :meth:`bind_ddp`, grads go to their owners: DDP's bytes; clip with
             :meth:`clip_grad_norm_`). ``"auto"`` (default): the integration's choice.
