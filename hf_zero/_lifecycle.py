@@ -140,11 +140,10 @@ class StateLifecycle:
             ref = info if token is self._token else None
         if ref is not None:
             return _sharded.reference(ref)
-        if self._consolidated is None:
-            if world_size == 1:
-                consolidate()
-            elif self._has_state:
-                return ShardedState(self._token, world_size)
+        if world_size == 1:  # every time: the masters may have followed an edit of the params since
+            consolidate()
+        elif self._consolidated is None and self._has_state:
+            return ShardedState(self._token, world_size)
         return dict(self._consolidated or {})
 
 
