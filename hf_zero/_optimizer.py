@@ -391,7 +391,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- state dict ------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0, *, device: str | torch.device | None = None) -> None:
-        """Gather the full optimizer state on rank ``to`` for :meth:`state_dict`. Collective.
+        """Gather the full optimizer state (masters too) on rank ``to`` for :meth:`state_dict`. Collective.
 
         A bounded round at a time: rank ``to`` needs about the full state once, the others
         their shard. ``device="cpu"`` gathers into CPU memory (default: each param's device).
@@ -405,7 +405,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._lifecycle.consolidated(_lifecycle.consolidate(self._comm, self._table, self._holdings(), to, device))
 
     def state_dict(self) -> dict:
-        """A dict a plain ``optimizer_class`` over the same params would return. Never a collective.
+        """A dict a plain ``optimizer_class`` over the same params would return, except with masters: a 16-bit
+        param's state is then fp32, plus ``"master_param"`` (docs/usage.md, "Master weights"). Never a collective.
 
         Complete on one rank or before any state exists; on several ranks, read it on the
         rank :meth:`consolidate_state_dict` gathered to. Otherwise ``"state"`` is a

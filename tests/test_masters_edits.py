@@ -180,3 +180,56 @@ def test_the_version_counter_moves_on_user_writes_only():
     sd = {"w": p.detach()}
     sd["w"].mul_(2)
     assert version_of(p) > v
+
+
+# -- loading across master settings --------------------------------------------------------
+def _trained(masters, steps: int = 2):
+    from hf_zero import ZeroBucketOptimizer
+
+    model = build_model("mlp", BF16)
+    opt = ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, master_weights=masters, **HYPER)
+    for step in range(steps):
+        model(*model.batch(step, BATCH)).backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _load(kind: str, source, target, tmp_path) -> list:
+    """Load ``source``'s state into ``target`` (consolidated dict or sharded checkpoint); the warnings."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        if kind == "consolidated":
+            target.load_state_dict(source.state_dict())
+        else:
+            source.save_sharded(tmp_path / "sharded")
+            target.load_sharded(tmp_path / "sharded")
+    return [str(w.message) for w in seen if "hf_zero" in str(w.message)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["consolidated", "sharded"])
+def test_masters_dropped_by_a_load_without_masters_are_named(kind, tmp_path):
+    _, source = _trained("auto")
+    model, target = _trained(False, steps=0)
+    (message,) = _load(kind, source, target, tmp_path)
+    assert "'master_param'" in message and "master_weights=False" in message and "dropped" in message
+    assert "net.0.weight" in message and "cast to the params' bfloat16" in message
+    model(*model.batch(0, BATCH)).backward()
+    target.step()
+    state = target.state_dict()["state"]
+    assert all("master_param" not in st and st["exp_avg"].dtype == BF16 for st in state.values())
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["consolidated", "sharded"])
+def test_a_load_without_masters_into_masters_says_nothing(kind, tmp_path):
+    """bf16 state upcast to fp32 is exact, and each master starts from its param: nothing to say."""
+    _, source = _trained(False)
+    model, target = _trained("auto", steps=0)
+    assert _load(kind, source, target, tmp_path) == []
+    model(*model.batch(0, BATCH)).backward()
+    target.step()
+    assert all(st["exp_avg"].dtype == torch.float32 for st in target.state_dict()["state"].values())
