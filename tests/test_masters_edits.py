@@ -1,11 +1,13 @@
 """The masters never overrule the user: an in-place write to a 16-bit param between steps
-is what the next step starts from, as with torch's optimizers ([Note: master weights]).
+is what the next step starts from, as with torch's optimizers ([Note: master weights]);
+loading across master settings says what it drops.
 
 Plain loops on 2 gloo ranks with a bf16 model, each compared bitwise with the fp32-master
 reference of tests/test_masters.py (an fp32 copy stepped by torch AdamW on the replayed
 averaged grads, rounded into the bf16 params) that applies the same edit to its bf16
 params and re-derives its masters the same way: the elements whose rounded master is no
-longer the param's take the param's value, the others keep theirs.
+longer the param's take the param's value, the others keep theirs. Then the same edits
+through Trainer callbacks, against ``adamw_torch`` on the same bf16 model.
 """
 
 from __future__ import annotations
@@ -233,3 +235,136 @@ def test_a_load_without_masters_into_masters_says_nothing(kind, tmp_path):
     model(*model.batch(0, BATCH)).backward()
     target.step()
     assert all(st["exp_avg"].dtype == torch.float32 for st in target.state_dict()["state"].values())
+
+
+# -- through Trainer: 2 ranks, a tiny bf16 BERT, zero_bucket against adamw_torch --------------
+LR_TRAINER = 1e-2
+LIMIT = 0.05
+
+
+def _trainer(output_dir, optim, callbacks, **overrides):
+    from tests.hf_trainer_cases import IN_ORDER, InOrderTrainer, TokenDataset, tiny_bert
+    from transformers import TrainingArguments
+
+    args = dict(output_dir=output_dir, optim=optim, per_device_train_batch_size=4, learning_rate=LR_TRAINER,
+                weight_decay=0.1, lr_scheduler_type="constant", max_grad_norm=1.0, logging_steps=1,
+                save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                average_tokens_across_devices=False, **IN_ORDER)
+    args.update(overrides)
+    evaluations = []
+
+    def earlier_is_better(prediction) -> dict:  # "best" is the first checkpoint, whatever the losses
+        evaluations.append(1)
+        return {"earliness": -len(evaluations)}
+
+    return InOrderTrainer(model=tiny_bert().to(BF16), args=TrainingArguments(**args), train_dataset=TokenDataset(),
+                          eval_dataset=TokenDataset(n=16, seed=1), callbacks=callbacks,
+                          compute_metrics=earlier_is_better)
+
+
+def _params(model) -> dict:
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _distance(a: dict, b: dict) -> float:
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def _trainer_cases(rank, world_size, base):
+    import os
+
+    from transformers import TrainerCallback
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
+
+    class Clamp(TrainerCallback):
+        """WGAN-style: after each step, max |w| is recorded, then every weight clamped to the limit."""
+
+        def __init__(self):
+            self.before = []
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            with torch.no_grad():
+                self.before.append(max(p.abs().max().item() for p in model.parameters()))
+                for p in model.parameters():
+                    p.clamp_(-LIMIT, LIMIT)
+
+    class Rollback(TrainerCallback):
+        """The weights after step 2 are loaded back after step 4; those after step 5 are kept."""
+
+        def __init__(self):
+            self.seen = {}
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.seen[state.global_step] = _params(model)
+            if state.global_step == 2:
+                self.saved = {k: v.clone() for k, v in model.state_dict().items()}
+            elif state.global_step == 4:
+                model.load_state_dict(self.saved)
+
+    class Record(TrainerCallback):
+        """Per train(): the weights at its start and after each step."""
+
+        def __init__(self):
+            self.runs = []
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.runs.append({"begin": _params(model), "steps": {}})
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            self.runs[-1]["steps"][state.global_step] = _params(model)
+
+    out = {}
+    for optim in ("zero_bucket", "adamw_torch"):
+        clamp = Clamp()
+        _trainer(f"{base}/clamp-{optim}", optim, [clamp], max_steps=4).train()
+        rollback = Rollback()
+        _trainer(f"{base}/rollback-{optim}", optim, [rollback], max_steps=5).train()
+        record = Record()
+        trainer = _trainer(f"{base}/best-{optim}", optim, [record], max_steps=4, eval_strategy="steps", eval_steps=2,
+                           save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+                           metric_for_best_model="earliness", greater_is_better=True)
+        trainer.train()
+        first_losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        best = os.path.basename(trainer.state.best_model_checkpoint)
+        trainer.train()  # the optimizer, and its state, carries over
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        out[optim] = {"clamp": clamp.before, "rollback": rollback.seen, "best": record.runs, "best_checkpoint": best,
+                      "losses": (first_losses, losses)}
+    return out
+
+
+@functools.cache
+def _trainer_runs(base):
+    return run_ranks(_trainer_cases, 2, base, timeout=240)
+
+
+@pytest.mark.slow  # Trainer runs (tests/conftest.py: the fast subset leaves them out)
+@pytest.mark.timeout(300)
+def test_trainer_edits_are_what_the_next_step_starts_from(tmp_path):
+    """Three callbacks' edits on 2 ranks with a bf16 model, ``zero_bucket`` (masters on)
+    against ``adamw_torch`` on the same model: a WGAN-style clamp after every step, a
+    rollback to earlier weights, and ``load_best_model_at_end`` followed by a second
+    ``train()``. One step after an edit the weights are one step's update (AdamW: about
+    the lr) from the edited ones, as with ``adamw_torch``; before, the stale masters put
+    them back where the edit had taken them from."""
+    per_rank = _trainer_runs(str(tmp_path))
+    step = 1.5 * LR_TRAINER
+    for rank, out in enumerate(per_rank):
+        zb, ref = out["zero_bucket"], out["adamw_torch"]
+        for who, run in (("zero_bucket", zb), ("adamw_torch", ref)):
+            what = f"rank {rank}, {who}"
+            assert run["clamp"][0] > 0.5, f"{what}: the clamp never bit"  # LayerNorm weights start at 1
+            assert max(run["clamp"][1:]) <= LIMIT + step, f"{what}: max |w| before each re-clamp {run['clamp']}"
+            seen = run["rollback"]
+            assert _distance(seen[5], seen[2]) <= step < _distance(seen[4], seen[2]), (
+                f"{what}: the step after the rollback is {_distance(seen[5], seen[2]):.3g} from the rolled-back weights")
+            first, second = run["best"]
+            assert run["best_checkpoint"] == "checkpoint-2" and _distance(second["begin"], first["steps"][2]) == 0
+            assert _distance(second["steps"][1], second["begin"]) <= step < _distance(first["steps"][4], second["begin"]), (
+                f"{what}: the first step after loading the best weights is "
+                f"{_distance(second['steps'][1], second['begin']):.3g} from them")
+        continued = [abs(a - b) for a, b in zip(zb["losses"][1], ref["losses"][1])]
+        assert len(continued) == 4 and max(continued) <= 0.02, (
+            f"rank {rank}: continued losses {zb['losses'][1]}, adamw_torch {ref['losses'][1]}")
