@@ -1,7 +1,9 @@
-"""The one torch internal the core uses: running a callback when a backward pass ends.
+"""The torch internals the core uses: running a callback when a backward pass ends, and
+a tensor's version counter.
 
-No public torch API does this; DDP and FSDP use the same autograd-engine call
-(tests/test_compat.py checks it is there).
+No public torch API does either; DDP and FSDP use the same autograd-engine call, and
+torch's own checkpointing and in-place checks read ``_version`` (tests/test_compat.py
+checks both are there).
 """
 
 from __future__ import annotations
@@ -21,3 +23,9 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
             "please report this with your versions of hf_zero and torch"
         )
     engine.queue_callback(callback)
+
+
+def version_of(tensor: torch.Tensor) -> int:
+    """``tensor``'s version counter: bumped by every in-place write through it or a view
+    sharing its counter (``detach()``, indexing; not ``.data``, which has one of its own)."""
+    return tensor._version

@@ -76,12 +76,19 @@ _ELEMENTWISE = (
 )
 # Third-party elementwise optimizers, matched by class name (no import needed).
 _ELEMENTWISE_NAMES = frozenset({"Lion"})
+# A class attribute by which an optimizer class declares itself elementwise (see is_elementwise).
+ELEMENTWISE_FLAG = "hf_zero_elementwise"
 
 
 def is_elementwise(optimizer_class: type) -> bool:
     """True when updating slices of a param separately equals updating the whole param
-    (the condition for ``shard="flat"``)."""
-    return issubclass(optimizer_class, _ELEMENTWISE) or optimizer_class.__name__ in _ELEMENTWISE_NAMES
+    (the condition for ``shard="flat"``): for the exact classes known to be elementwise
+    (torch's SGD, Adam, AdamW, ...; a class named ``Lion``) and for a class that declares
+    it in its own body, ``hf_zero_elementwise = True``. A subclass is not its base: it may
+    add a per-tensor rule (a LARS-style trust ratio over SGD), so it must declare it itself."""
+    if vars(optimizer_class).get(ELEMENTWISE_FLAG) is True:
+        return True
+    return optimizer_class in _ELEMENTWISE or optimizer_class.__name__ in _ELEMENTWISE_NAMES
 
 # Each rank's range in flat mode starts on a multiple of this many bytes.
 _ALIGN_BYTES = 64

@@ -19,7 +19,8 @@ and :meth:`adopt` after each load, and reads the rest.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -27,7 +28,7 @@ from . import _sharded
 from ._codec import class_name, decode, encode
 from ._comm import Comm
 from ._layout import plan_layout
-from ._masters import MASTER_KEY, needs_master
+from ._masters import HALF_DTYPES, MASTER_KEY, needs_master
 from ._params import ParamTable
 from ._partition import piece_shape
 from ._state import Holding, Holdings, redistribute, shape_as, split_canonical
@@ -105,6 +106,7 @@ class StateLifecycle:
             return split_canonical(by_index[i], table.params[i].shape, start, stop, piece_shape, table.label(i))
 
         held = place(comm, table, opt.shard, opt.param_groups, read, masters=opt.master_weights)
+        warn_dropped_masters(comm, table, opt.master_weights, (i for i, st in by_index.items() if MASTER_KEY in st))
         return hyperparams(state_dict["param_groups"]), held, bool(by_index)
 
     # -- facts ---------------------------------------------------------------------------
@@ -140,11 +142,10 @@ class StateLifecycle:
             ref = info if token is self._token else None
         if ref is not None:
             return _sharded.reference(ref)
-        if self._consolidated is None:
-            if world_size == 1:
-                consolidate()
-            elif self._has_state:
-                return ShardedState(self._token, world_size)
+        if world_size == 1:  # every time: the masters may have followed an edit of the params since
+            consolidate()
+        elif self._consolidated is None and self._has_state:
+            return ShardedState(self._token, world_size)
         return dict(self._consolidated or {})
 
 
@@ -190,6 +191,8 @@ def read_sharded(opt, comm: Comm, table: ParamTable, path) -> tuple[list[dict], 
                          lambda i, start, stop, shape: ckpt.read(mapping[i], start, stop, shape),
                          masters=opt.master_weights)
             has_state = ckpt.has_state()
+            with_master = (i for i, j in mapping.items() if any(MASTER_KEY in p.state for p in ckpt.pieces.get(j, ())))
+            warn_dropped_masters(comm, table, opt.master_weights, with_master)
     except Exception as e:  # every rank must reach the exchange below
         failure = e
     report = None if failure is None else f"rank {comm.rank}: {type(failure).__name__}: {failure}"
@@ -241,6 +244,27 @@ def place(comm: Comm, table: ParamTable, shard: str, param_groups: list[dict],
             st = _cast(st, table.params[i], group, master=needs_master(masters, table.params[i]))
             held.setdefault(i, []).append(Holding(start, stop, shape, st))
     return held
+
+
+def warn_dropped_masters(comm: Comm, table: ParamTable, masters: bool, with_master: Iterable[int]) -> None:
+    """Warn (on rank 0: every rank loads the same) when loaded fp32 masters are dropped
+    because their params are no longer stepped through one, saying what else changes."""
+    dropped = sorted(i for i in with_master if not needs_master(masters, table.params[i]))
+    if not dropped or comm.rank != 0:
+        return
+    names = ", ".join(table.label(i) for i in dropped[:3])
+    names += f" and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+    half = [i for i in dropped if table.params[i].dtype in HALF_DTYPES]
+    why = "master_weights=False" if half else "they are not bf16/fp16 params now"
+    cast = (f"; their fp32 optimizer state (e.g. Adam's moments) is cast to the params' "
+            f"{str(table.params[half[0]].dtype).removeprefix('torch.')}, as a plain optimizer over them keeps it"
+            if half else "")
+    warnings.warn(
+        f"hf_zero: the loaded optimizer state holds fp32 master weights ('master_param') of {len(dropped)} "
+        f"param(s) this optimizer steps without one ({why}): {names}. The masters are dropped{cast}; the "
+        "params keep their values. To keep the masters, load with master_weights='auto' (the default).",
+        UserWarning, stacklevel=4,
+    )
 
 
 def _cast(state: dict, p: torch.Tensor, group: dict, *, master: bool = False) -> dict:

@@ -47,7 +47,9 @@ def _checked_options(optimizer_class, overlap_with_ddp: bool, shard: str, grad_r
     if shard == "flat" and not is_elementwise(optimizer_class):
         raise ValueError(
             f"shard='flat' splits params across ranks, which is only exact for elementwise "
-            f"optimizers; {optimizer_class.__name__} is not one: use shard='param'"
+            f"optimizers; {optimizer_class.__name__} is not known to be one (a subclass is not its base: it "
+            f"may add a per-tensor rule): use shard='param', or declare it in the class body with "
+            f"hf_zero_elementwise = True if updating any slice of a param alone equals updating the whole"
         )
     if grad_reduce not in GRAD_REDUCE:
         raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE}, got {grad_reduce!r}")
@@ -100,8 +102,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         parameters_as_bucket_view: trainable params' ``.data`` are views into flat
             buffers, so the sync moves whole buffers (default ``True``; torch's ``False``).
         overlap_with_ddp: accepted for torch compatibility; only ``False`` is supported.
-        shard: ``"flat"`` (equal ranges; elementwise optimizers only), ``"param"`` (whole
-            params; any optimizer) or ``"auto"`` (flat when ``optimizer_class`` is elementwise).
+        shard: ``"flat"`` (equal ranges; elementwise optimizers: torch's exact classes, or one whose body
+            says ``hf_zero_elementwise = True``), ``"param"`` (whole params; any) or ``"auto"`` (flat if so).
         grad_reduce: ``"all_reduce"`` (DDP's own) or ``"reduce_scatter"`` (after
             :meth:`bind_ddp`, grads go to their owners: DDP's bytes; clip with
             :meth:`clip_grad_norm_`). ``"auto"`` (default): the integration's choice.
@@ -389,7 +391,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- state dict ------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0, *, device: str | torch.device | None = None) -> None:
-        """Gather the full optimizer state on rank ``to`` for :meth:`state_dict`. Collective.
+        """Gather the full optimizer state (masters too) on rank ``to`` for :meth:`state_dict`. Collective.
 
         A bounded round at a time: rank ``to`` needs about the full state once, the others
         their shard. ``device="cpu"`` gathers into CPU memory (default: each param's device).
@@ -403,7 +405,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._lifecycle.consolidated(_lifecycle.consolidate(self._comm, self._table, self._holdings(), to, device))
 
     def state_dict(self) -> dict:
-        """A dict a plain ``optimizer_class`` over the same params would return. Never a collective.
+        """A dict a plain ``optimizer_class`` over the same params would return, except with masters: a 16-bit
+        param's state is then fp32, plus ``"master_param"`` (docs/usage.md, "Master weights"). Never a collective.
 
         Complete on one rank or before any state exists; on several ranks, read it on the
         rank :meth:`consolidate_state_dict` gathered to. Otherwise ``"state"`` is a

@@ -119,7 +119,7 @@ class Partition:
             state = next((shape_as(h, t.shape) for h in held.get(pc.index, ())
                           if h.start == pc.start and h.stop == pc.stop), {})
             state, saved = split_saved(state)  # a master without a 16-bit param to step is dropped
-            master = Master(t, saved) if needs_master(masters, p) else None
+            master = Master(t, saved, p) if needs_master(masters, p) else None
             lp = LocalPiece(t, t, p, pc) if master is None else LocalPiece(master.tensor, t, p, pc, master)
             pieces.append(lp)
             by_group[table.group_of[pc.index]].append(lp.tensor)
@@ -155,6 +155,7 @@ class Partition:
         held: Holdings = {}
         if self.inner is None:
             return held
+        self.follow_edits()
         for lp in self.pieces:
             st = dict(self.inner.state.get(lp.tensor, {}))
             if lp.master is not None and lp.master.stepped:
@@ -163,6 +164,13 @@ class Partition:
                 pc = lp.piece
                 held.setdefault(pc.index, []).append(Holding(pc.start, pc.stop, tuple(lp.tensor.shape), st))
         return held
+
+    def follow_edits(self) -> None:
+        """Masters adopt the in-place writes to their params since the last step (see
+        [Note: master weights] in _masters.py)."""
+        for lp in self.pieces:
+            if lp.master is not None:
+                lp.master.follow_edits()
 
     def master_bytes(self) -> int:
         """Bytes of the fp32 masters of this rank's pieces."""
@@ -181,6 +189,7 @@ class Partition:
                       overlap) -> Any:
         """:meth:`step`, then :meth:`sync`. Blocking syncs of bucket views are pipelined
         (see [Note: pipelined sync]); the result is the same."""
+        self.follow_edits()
         if comm.world_size == 1 or overlap is not None or not self.bucket_view:
             loss = self.step(param_groups, kwargs)
             self.sync(comm, params, overlap)

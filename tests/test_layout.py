@@ -380,3 +380,87 @@ def test_bad_buckets_are_named(buckets, match):
     specs = [ParamSpec(4, torch.float32, "cpu", True), ParamSpec(4, torch.float64, "cpu", True)]
     with pytest.raises(ValueError, match=match):
         plan_layout(specs, world_size=2, shard="flat", buckets=buckets)
+
+
+# -- which optimizers may be sharded flat ------------------------------------------------
+class LarsSGD(torch.optim.SGD):
+    """A LARS-style per-tensor trust ratio over SGD: the update of an element depends on
+    its whole param's norm, so updating slices of a param separately is wrong."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    trust = p.norm() / (p.grad.norm() + 1e-12)
+                    p.add_(p.grad * trust, alpha=-group["lr"])
+
+
+class DeclaredSGD(torch.optim.SGD):
+    hf_zero_elementwise = True  # only changes a default: still elementwise, and says so
+
+
+class InheritsDeclaration(DeclaredSGD):
+    pass
+
+
+def test_flat_only_for_exact_or_declared_elementwise_classes():
+    from hf_zero._layout import is_elementwise
+
+    assert is_elementwise(torch.optim.SGD) and is_elementwise(torch.optim.AdamW) and is_elementwise(torch.optim.Adam)
+    assert not is_elementwise(LarsSGD), "a subclass is not its base"
+    assert is_elementwise(DeclaredSGD)
+    assert not is_elementwise(InheritsDeclaration), "the declaration belongs to the class that makes it"
+    assert not is_elementwise(torch.optim.LBFGS)
+
+
+def test_flat_on_an_undeclared_subclass_is_a_clear_error():
+    from hf_zero import ZeroBucketOptimizer
+
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="shard='flat'.*LarsSGD.*not known.*shard='param'.*hf_zero_elementwise = True"):
+        ZeroBucketOptimizer(model.parameters(), LarsSGD, shard="flat", lr=0.1)
+    assert ZeroBucketOptimizer(model.parameters(), LarsSGD, lr=0.1).shard == "param"
+    assert ZeroBucketOptimizer(model.parameters(), DeclaredSGD, lr=0.1).shard == "flat"
+
+
+def _lars(rank, world_size):
+    """(shard mode, params) of 3 steps with shard="auto", and with "flat" forced past the check."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zero import ZeroBucketOptimizer
+    from tests.models import BATCH, build_model, shard_of
+
+    out = {}
+    for mode in ("auto", "forced-flat"):
+        model = build_model("mlp")
+        ddp = DDP(model, find_unused_parameters=True)
+        opt = ZeroBucketOptimizer(model.parameters(), LarsSGD, lr=0.1)
+        if mode == "forced-flat":  # what "auto" chose before (issubclass): shows the comparison can fail
+            opt.shard = "flat"
+        for step in range(3):
+            ddp(*shard_of(model.batch(step, BATCH * world_size), rank)).backward()
+            opt.step()
+            opt.zero_grad()
+        out[mode] = opt.shard, [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_lars_like_subclass_with_auto_shard_equals_one_process():
+    from tests._dist import run_ranks
+    from tests.models import BATCH, build_model
+
+    model = build_model("mlp")
+    ref = LarsSGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        model(*model.batch(step, BATCH * 2)).backward()
+        ref.step()
+        ref.zero_grad()
+    want = [p.detach() for p in model.parameters()]
+    for got in run_ranks(_lars, 2, timeout=50):
+        shard, params = got["auto"]
+        assert shard == "param"
+        for i, (g, w) in enumerate(zip(params, want)):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=f"param {i}")
+        assert any((g - w).abs().max() > 1e-6 for g, w in zip(got["forced-flat"][1], want)), "flat would be right too"
