@@ -28,7 +28,6 @@ LAYERS = [
     "_scatter_hook",
     "_gradpath",
     "_clip",
-    "_masters",
     "_partition",
     "_lifecycle",
     "_optimizer",
