@@ -25,6 +25,7 @@ LAYERS = [
     "_offline",
     "_overlap",
     "_scatter_hook",
+    "_stage2",
     "_gradpath",
     "_clip",
     "_masters",
