@@ -250,6 +250,10 @@ BITWISE = {
     "param": (Setup(shard="param", view=False), 1),
     "flat-no-sync-4": (Setup(view=False), 4),
     "tied-param": (Setup(model="tied", shard="param", view=False), 1),
+    # fp32 and bf16 params, the bf16 ones stepped through fp32 masters: stage 1 equals the
+    # fp32-master reference bitwise (tests/test_masters.py), so stage 2 does too.
+    "mixed-bf16-masters": (Setup(model="mixed", view=False, master_weights=True), 1),
+    "mixed-bf16-masters-no-sync-2": (Setup(model="mixed", shard="param", view=False, master_weights=True), 2),
 }
 
 
@@ -277,9 +281,11 @@ def test_stage2_is_bitwise_stage1_at_two_ranks(name):
     equals stage 1 under DDP with the reduce-scatter comm hook bit for bit (with no_sync
     accumulation: both reduce the micro-batches' local sum once)."""
     per_rank = _lot_results(2)
+    initial = params_of(build_model(BITWISE[name][0].model))
     for r in per_rank:
         for i, (a, b) in enumerate(zip(r[f"stage2-{name}"], r[f"stage1-{name}"])):
             assert torch.equal(a, b), f"param {i}: max diff {(a - b).abs().max().item():.3g}"
+        assert not all(torch.equal(a, b) for a, b in zip(r[f"stage2-{name}"], initial)), "nothing was trained"
 
 
 @pytest.mark.timeout(220)
