@@ -213,7 +213,8 @@ class Reducer:
         if not self._armed:
             self._begin()
         where = self._plan.where.get(i)
-        if where is None:  # not trainable when this backward began
+        if where is None:  # no elements: in no bucket
+            p.grad = None
             return
         if where[0] < self._next:
             raise RuntimeError(

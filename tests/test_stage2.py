@@ -392,3 +392,16 @@ def test_grads_are_none_and_clipping_reads_the_shards_on_one_process():
     assert all(p.grad is None for p in model.parameters())
     want = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e9)
     torch.testing.assert_close(opt.clip_grad_norm_(1e9), want, rtol=1e-12, atol=0)
+
+
+def test_a_param_without_elements_is_in_no_bucket_and_keeps_no_grad():
+    model = torch.nn.Linear(3, 2).double()
+    empty = torch.nn.Parameter(torch.zeros(0, dtype=torch.float64))
+    model.register_parameter("empty", empty)
+    opt = make_zero(Setup(), model, stage=2)
+    opt.bind_module(model)
+    for _ in range(2):
+        (model(torch.ones(4, 3, dtype=torch.float64)).sum() + empty.sum()).backward()
+        assert all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
