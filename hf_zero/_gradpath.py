@@ -130,14 +130,15 @@ class GradientPath:
             )
         return grads
 
-    def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float, overlap_default: bool = False) -> None:
+    def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float, broadcast_buffers: bool = True,
+                    overlap_default: bool = False) -> None:
         """The body of ``ZeroBucketOptimizer.bind_module`` (documented there)."""
         if self.stage2 is None:
             raise ValueError(
                 "bind_module is for stage=2 (hf_zero reduces the grads, no DDP); a stage-1 optimizer binds "
                 "the DistributedDataParallel wrapping the model with bind_ddp(ddp)"
             )
-        self.stage2.bind(module, cap_bytes=int(bucket_cap_mb * (1 << 20)))
+        self.stage2.bind(module, cap_bytes=int(bucket_cap_mb * (1 << 20)), broadcast_buffers=broadcast_buffers)
         self._attach_overlap(module, overlap_default)
 
     def _attach_overlap(self, module: torch.nn.Module, overlap_default: bool) -> None:

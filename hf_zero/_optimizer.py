@@ -316,10 +316,10 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                         syncs_every_backward=syncs_every_backward, grad_scaler=grad_scaler)
         self.mark_ddp_reduced()
 
-    def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float = 25.0) -> None:
-        """Stage 2 (no DDP): broadcast ``module``'s params and buffers from rank 0, reduce-scatter grads as
-        the backward makes them, give ``module`` a ``no_sync()``. Collective, before a backward (docs/stage2.md)."""
-        self._grad.bind_module(module, bucket_cap_mb=bucket_cap_mb)
+    def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True):
+        """Stage 2, no DDP: broadcast ``module``'s params and buffers from rank 0 (buffers at each forward too, as DDP),
+        reduce-scatter grads as the backward makes them, give it ``no_sync()``. Collective; see docs/stage2.md."""
+        self._grad.bind_module(module, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers)
 
     @property
     def grad_reduce(self) -> str:

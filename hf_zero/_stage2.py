@@ -3,7 +3,8 @@
 [Note: stage 2 reducer]
 Under stage 2 the model is not wrapped in DDP (DDP's reducer allocates every gradient
 bucket whole: docs/stage2.md). :meth:`Reducer.bind` broadcasts the module's params and
-buffers from rank 0, as DDP does, and hooks every param of the optimizer:
+buffers from rank 0, as DDP does (buffers again before each forward that syncs grads,
+DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the optimizer:
 
 - **Buckets.** The trainable params, in reverse order (about the order a backward
   finishes them), are cut into buckets of at most ``bucket_cap_mb`` (one larger param
@@ -149,7 +150,7 @@ class Reducer:
     def bound(self) -> bool:
         return self.module_ref is not None
 
-    def bind(self, module: torch.nn.Module, *, cap_bytes: int) -> None:
+    def bind(self, module: torch.nn.Module, *, cap_bytes: int, broadcast_buffers: bool = True) -> None:
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(
                 "bind_module: stage=2 takes gradient synchronisation over from DistributedDataParallel; "
@@ -180,8 +181,15 @@ class Reducer:
             self.comm.broadcast_(tensors, src=0, what="broadcasting parameters and buffers from rank 0")
         me = weakref.ref(self)
         self._handles = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(table.params)]
+        if broadcast_buffers and self.comm.world_size > 1 and any(True for _ in module.buffers()):
+            self._handles.append(module.register_forward_pre_hook(_buffer_sync(me)))
         self.module_ref = weakref.ref(module)
         module.no_sync = self.no_sync
+
+    @property
+    def suspended(self) -> bool:
+        """Inside :meth:`no_sync`."""
+        return self._suspended
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -325,6 +333,19 @@ class Reducer:
         self.touched.clear()
         self._present = None
         self.peak_bucket_bytes = self.bucket_bytes
+
+
+def _buffer_sync(reducer_ref):
+    """Before each forward that will sync grads (grad mode on, not under ``no_sync()``), rank 0's
+    buffers, as DDP's ``broadcast_buffers`` (its ``_pre_forward``)."""
+
+    def before_forward(module: torch.nn.Module, args) -> None:
+        reducer = reducer_ref()
+        if reducer is not None and torch.is_grad_enabled() and not reducer.suspended:
+            with torch.no_grad():
+                reducer.comm.broadcast_([b for b in module.buffers()], src=0, what="broadcasting buffers from rank 0")
+
+    return before_forward
 
 
 def _hook(reducer_ref, i: int):

@@ -249,6 +249,35 @@ def _broadcast_at_bind(rank, world_size):
 # Params keep storage of their own (view=False): a forward's bits depend on where a param
 # lies (CPU BLAS: a float64 matmul with its weight 8 rather than 16 bytes aligned differs by
 # an ulp), and the two stages lay their buffers out after different buckets.
+class Counting(torch.nn.Module):
+    """A buffer each forward adds rank + 1 to."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1).double()
+        self.register_buffer("seen", torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x):
+        self.seen += torch.distributed.get_rank() + 1
+        return self.lin(x).sum()
+
+
+def _buffers_each_forward(rank, world_size, broadcast_buffers):
+    """``seen`` after two syncing forwards, a no_sync one and one without grad."""
+    model = Counting()
+    opt = make_zero(Setup(), model, stage=2)
+    opt.bind_module(model, broadcast_buffers=broadcast_buffers)
+    x = torch.ones(2, 3, dtype=torch.float64)
+    for _ in range(2):
+        model(x).backward()
+    with model.no_sync():
+        model(x).backward()
+    with torch.no_grad():
+        model(x)
+    opt.zero_grad()
+    return model.seen.item()
+
+
 BITWISE = {
     "flat": (Setup(view=False), 1),
     "param": (Setup(shard="param", view=False), 1),
@@ -266,6 +295,7 @@ def _lot(rank, world_size):
     out.update({f"stage2-{k}": _stage2_run(rank, world_size, *v) for k, v in BITWISE.items()})
     out["memory"] = _memory(rank, world_size)
     out["broadcast"] = _broadcast_at_bind(rank, world_size)
+    out["buffers"] = [_buffers_each_forward(rank, world_size, b) for b in (True, False)]
     return out
 
 
@@ -408,3 +438,12 @@ def test_a_param_without_elements_is_in_no_bucket_and_keeps_no_grad():
         assert all(p.grad is None for p in model.parameters())
         opt.step()
         opt.zero_grad()
+
+
+@pytest.mark.timeout(220)
+def test_buffers_are_broadcast_before_each_syncing_forward_as_ddp_does():
+    """DDP's broadcast_buffers: rank 0's buffers before every forward with grad enabled, not
+    under no_sync() (DDP's ``require_forward_param_sync``) nor without grad."""
+    (on0, off0), (on1, off1) = (r["buffers"] for r in _lot_results())
+    assert (on0, on1) == (4.0, 1 + 3 * 2)  # rank 1: rank 0's 1 before its second forward, then +2 three times
+    assert (off0, off1) == (4.0, 8.0)
