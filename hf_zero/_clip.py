@@ -45,10 +45,14 @@ def norm_pieces(table: ParamTable, comm: Comm, shard: str, live) -> list[Piece]:
     return plan_layout(table.specs(), world_size=comm.world_size, shard=shard, buckets=buckets).pieces(comm.rank)
 
 
-def valid_grads(table: ParamTable, chosen: set[int], pieces: list[Piece], partial: set[int]) -> list[torch.Tensor]:
+def valid_grads(table: ParamTable, chosen: set[int], pieces: list[Piece], partial: set[int],
+                grad_of=None) -> list[torch.Tensor]:
     """The grads of these params where they hold the average: whole, or only this
     rank's ranges (``pieces``) for the ``partial`` ones, reduce-scattered (scaling the
-    rest, which only holds this rank's own contribution, would be a wasted pass)."""
+    rest, which only holds this rank's own contribution, would be a wasted pass).
+    ``grad_of(piece)`` (stage 2: grads live in shards, not ``.grad``): only ``pieces``."""
+    if grad_of is not None:
+        return [g for g in (grad_of(pc) for pc in pieces if pc.index in chosen) if g is not None]
     owned: dict[int, list[Piece]] = {}
     if partial & chosen:
         for pc in pieces:
@@ -66,16 +70,21 @@ def valid_grads(table: ParamTable, chosen: set[int], pieces: list[Piece], partia
 
 
 def clip_norm(comm: Comm, table: ParamTable, chosen: set[int], pieces: list[Piece], partial: set[int], *,
-              max_norm: float, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+              max_norm: float, norm_type: float, error_if_nonfinite: bool, grad_of=None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the ``chosen`` params' grads, each rank
-    summing the elements of its ``pieces``. Collective (one scalar all-reduce)."""
+    summing the elements of its ``pieces``. Collective (one scalar all-reduce).
+    ``grad_of``: as for :func:`valid_grads`."""
     params = table.params
-    grads = [
-        params[pc.index].grad.reshape(-1)[pc.start : pc.stop]
-        for pc in pieces
-        if pc.index in chosen and params[pc.index].grad is not None
-    ]
-    first = next((params[i].grad for i in sorted(chosen) if params[i].grad is not None), None)
+    if grad_of is not None:
+        grads = valid_grads(table, chosen, pieces, partial, grad_of)
+        first = params[min(chosen)].detach() if chosen else None  # a grad has its param's dtype and device
+    else:
+        grads = [
+            params[pc.index].grad.reshape(-1)[pc.start : pc.stop]
+            for pc in pieces
+            if pc.index in chosen and params[pc.index].grad is not None
+        ]
+        first = next((params[i].grad for i in sorted(chosen) if params[i].grad is not None), None)
     dtype = first.dtype if first is not None else torch.float32
     device = comm.device
     if norm_type == float("inf"):
@@ -96,6 +105,6 @@ def clip_norm(comm: Comm, table: ParamTable, chosen: set[int], pieces: list[Piec
     total = total.to(dtype=dtype)
     if max_norm != float("inf"):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in valid_grads(table, chosen, pieces, partial):
+        for g in valid_grads(table, chosen, pieces, partial, grad_of):
             g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return total.to(first.device) if first is not None else total

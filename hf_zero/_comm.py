@@ -396,6 +396,17 @@ class Comm:
             self._blocking(what, dist.all_reduce, tensor, op=red)
         return tensor
 
+    def broadcast_(self, tensors: Sequence[torch.Tensor], *, src: int = 0, what: str) -> None:
+        """Give every rank rank ``src``'s values of ``tensors`` (written in place, one
+        broadcast each, in order)."""
+        if self.world_size == 1:
+            return
+        for t in tensors:
+            staged = t if t.is_contiguous() else t.contiguous()
+            self._blocking(what, dist.broadcast, staged, src=self._globals[src])
+            if staged is not t:
+                t.copy_(staged)
+
     # -- agreement ----------------------------------------------------------------
     def agree(self, fingerprint: int, flag: bool = False) -> tuple[bool, bool]:
         """(every rank passed the same 62-bit ``fingerprint``, some rank passed ``flag``).

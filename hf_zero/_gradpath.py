@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _scatter_hook
+from . import _scatter_hook, _stage2
 from ._comm import Comm
 from ._layout import Layout
 from ._overlap import ParamSyncOverlap
@@ -30,19 +30,31 @@ logger = logging.getLogger("hf_zero._optimizer")  # where these warnings were al
 
 class GradientPath:
     """See [Note: gradient path protocol]. ``facts``: the optimizer's (held weakly) param
-    table and current layout; ``grad_reduce`` / ``overlap_param_sync``: its constructor's."""
+    table and current layout; ``grad_reduce`` / ``overlap_param_sync``: its constructor's.
+    ``stage``: 1, DDP reduces (through the comm hook when reduce-scattering); 2, hf_zero's
+    own reducer (``_stage2.py``), bound to the model with :meth:`bind_module`."""
 
     def __init__(self, comm: Comm, *, facts: Callable[[], tuple], grad_reduce: str,
-                 overlap_param_sync: bool | None, bucket_view: bool):
+                 overlap_param_sync: bool | None, bucket_view: bool, stage: int = 1, shard: str = "flat"):
         self.comm = comm
-        self.grad_reduce = grad_reduce
+        self.grad_reduce = "reduce_scatter" if stage == 2 else grad_reduce
         self._facts = weakref.WeakMethod(facts)  # () -> (ParamTable, current Layout or None)
         self._overlap_choice = overlap_param_sync
         self._bucket_view = bucket_view
-        self.wanted_buckets: tuple[tuple[int, ...], ...] = ()  # to plan the next layout with
+        self._ddp_buckets: tuple[tuple[int, ...], ...] = ()  # to plan the next layout with (stage 1)
         self.ddp_reduced: tuple[bool, ...] | None = None  # which params DDP reduces
         self.reducer: _scatter_hook.BucketReducer | None = None
         self.overlap: ParamSyncOverlap | None = None
+        self.stage = stage
+        self.stage2 = _stage2.Reducer(comm, self._table, shard) if stage == 2 else None
+
+    def _table(self):
+        return self._facts()()[0]
+
+    @property
+    def wanted_buckets(self) -> tuple[tuple[int, ...], ...]:
+        """The buckets the next layout is planned with: DDP's (stage 1), the reducer's (stage 2)."""
+        return self.stage2.buckets() if self.stage2 is not None else self._ddp_buckets
 
     # -- the protocol _scatter_hook uses ------------------------------------------------
     @property
@@ -62,7 +74,7 @@ class GradientPath:
     def plan_with_ddp_buckets(self, buckets: tuple[tuple[int, ...], ...]) -> None:
         """Lay the buffers out after these DDP buckets (param indices, in bucket order)
         from the next re-partition on (the next step notices). Same on every rank."""
-        self.wanted_buckets = tuple(tuple(b) for b in buckets)
+        self._ddp_buckets = tuple(tuple(b) for b in buckets)
 
     def ddp_buckets_planned(self) -> tuple[tuple[int, ...], ...] | None:
         """The DDP buckets the current layout follows (None before the first step)."""
@@ -92,7 +104,9 @@ class GradientPath:
             self.ddp_reduced = mask
 
     def unreduced(self, table) -> list[torch.Tensor]:
-        """The params DDP never reduces (frozen when it was built; default: now)."""
+        """The params DDP never reduces (frozen when it was built; default: now); none under stage 2."""
+        if self.stage2 is not None:
+            return []
         if self.ddp_reduced is None:
             self.mark_reduced(table.mask())
         return [p for p, reduced in zip(table.params, self.ddp_reduced) if not reduced]
@@ -100,6 +114,42 @@ class GradientPath:
     def step_taken(self) -> None:
         if self.reducer is not None:
             self.reducer.step_taken()
+        if self.stage2 is not None:
+            self.stage2.step_taken()
+
+    def sharded_grads(self, *, stepping: bool = False) -> _stage2.ShardedGrads | None:
+        """Stage 2: this rank's averaged grads (collective after a backward); None under stage 1.
+        ``stepping``: the current layout must be the one they were reduced into."""
+        if self.stage2 is None:
+            return None
+        grads = self.stage2.sharded()
+        if stepping and grads.pieces and grads.layout != self.layout:
+            raise RuntimeError(
+                "hf_zero stage 2: the trainable params (or their shapes) changed between the backward and "
+                "optimizer.step(): change requires_grad only right after step() or zero_grad()"
+            )
+        return grads
+
+    def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float, broadcast_buffers: bool = True,
+                    overlap_default: bool = False) -> None:
+        """The body of ``ZeroBucketOptimizer.bind_module`` (documented there)."""
+        if self.stage2 is None:
+            raise ValueError(
+                "bind_module is for stage=2 (hf_zero reduces the grads, no DDP); a stage-1 optimizer binds "
+                "the DistributedDataParallel wrapping the model with bind_ddp(ddp)"
+            )
+        self.stage2.bind(module, cap_bytes=int(bucket_cap_mb * (1 << 20)), broadcast_buffers=broadcast_buffers)
+        self._attach_overlap(module, overlap_default)
+
+    def _attach_overlap(self, module: torch.nn.Module, overlap_default: bool) -> None:
+        overlap = self._overlap_choice if self._overlap_choice is not None else overlap_default
+        if overlap and self.comm.world_size > 1:
+            if self._bucket_view:
+                self.overlap = self.overlap or ParamSyncOverlap()
+                self.overlap.attach(module)
+                self.comm.own_sync_group()  # [Note: a group for the overlapped sync]
+            else:
+                logger.warning("hf_zero: overlap_param_sync needs parameters_as_bucket_view=True; syncing in the step")
 
     def wait(self) -> None:
         if self.overlap is not None:
@@ -112,14 +162,12 @@ class GradientPath:
             raise TypeError(f"bind_ddp needs a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
         if grad_reduce_default not in GRAD_REDUCE[1:]:
             raise ValueError(f"grad_reduce_default must be one of {GRAD_REDUCE[1:]}, got {grad_reduce_default!r}")
-        overlap = self._overlap_choice if self._overlap_choice is not None else overlap_default
-        if overlap and self.comm.world_size > 1:
-            if self._bucket_view:
-                self.overlap = self.overlap or ParamSyncOverlap()
-                self.overlap.attach(ddp.module)
-                self.comm.own_sync_group()  # [Note: a group for the overlapped sync]
-            else:
-                logger.warning("hf_zero: overlap_param_sync needs parameters_as_bucket_view=True; syncing in the step")
+        if self.stage2 is not None:
+            raise ValueError(
+                "stage=2 takes gradient synchronisation over from DistributedDataParallel: do not wrap the "
+                "model in DDP; call optimizer.bind_module(model) on the unwrapped model instead of bind_ddp"
+            )
+        self._attach_overlap(ddp.module, overlap_default)
         if self.grad_reduce == "auto":
             self.grad_reduce = grad_reduce_default
         if self.grad_reduce == "reduce_scatter" and self.reducer is None and self.comm.world_size > 1:

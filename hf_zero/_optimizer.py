@@ -32,8 +32,12 @@ from ._state import Holdings
 logger = logging.getLogger(__name__)
 
 
-def _checked_options(optimizer_class, overlap_with_ddp: bool, shard: str, grad_reduce: str) -> str:
+def _checked_options(optimizer_class, overlap_with_ddp: bool, shard: str, grad_reduce: str, stage: int = 1) -> str:
     """Validate the constructor's options before anything changes; returns the resolved shard mode."""
+    if stage not in (1, 2) or isinstance(stage, bool):
+        raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (and gradients), got {stage!r}")
+    if stage == 2 and grad_reduce == "all_reduce":
+        raise ValueError("stage=2 reduce-scatters gradients into their owners: grad_reduce='all_reduce' contradicts it")
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
     if overlap_with_ddp:
@@ -113,6 +117,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         master_weights: ``"auto"`` (default) or ``True``: bf16/fp16 params step through
             sharded fp32 masters, saved as state ``"master_param"``; ``False``: pure
             16-bit steps. fp16 params cannot use a ``GradScaler``. See ``_masters.py``.
+        stage: ``2`` shards grads too (no DDP: :meth:`bind_module`, docs/stage2.md); default ``1``.
         **defaults: hyperparameters for ``optimizer_class``.
 
     Buffers are built at the first :meth:`step` and checked at every step. Every method
@@ -131,10 +136,11 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         grad_reduce: str = "auto",
         overlap_param_sync: bool | None = None,
         master_weights: bool | str = "auto",
+        stage: int = 1,
         **defaults: Any,
     ):
         masters = check_choice(master_weights)
-        shard = _checked_options(optimizer_class, overlap_with_ddp, shard, grad_reduce)
+        shard = _checked_options(optimizer_class, overlap_with_ddp, shard, grad_reduce, stage)
         self._ready = False
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # torch only warns on duplicates
@@ -157,8 +163,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._reload_due = False  # a load happened: the next step rebuilds on every rank
         self._lifecycle = StateLifecycle()
         self._iteration = _Iteration()
-        self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce,
-                                  overlap_param_sync=overlap_param_sync, bucket_view=self.parameters_as_bucket_view)
+        self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
+                                  shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view)
         self._ready = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -229,7 +235,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if not self._iteration.grads_averaged:
             self.average_unreduced_grads()
         local_loss = self._partition.step_and_sync(self.param_groups, kwargs, self._comm, self._table.params,
-                                                   self._grad.overlap)
+                                                   self._grad.overlap, self._grad.sharded_grads(stepping=True))
         self._iteration = _Iteration()
         self._grad.step_taken()
         self._lifecycle.stepped()
@@ -297,15 +303,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._iteration.grads_averaged = True
 
     # -- DDP and the gradient path ------------------------------------------------------
-    def bind_ddp(
-        self,
-        ddp: torch.nn.parallel.DistributedDataParallel,
-        *,
-        grad_reduce_default: str = "all_reduce",
-        overlap_default: bool = False,
-        syncs_every_backward: bool = False,
-        grad_scaler: bool = True,
-    ) -> None:
+    def bind_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel, *, grad_reduce_default: str = "all_reduce",
+                 overlap_default: bool = False, syncs_every_backward: bool = False, grad_scaler: bool = True) -> None:
         """Tell the optimizer about the DDP wrapping its params: on every rank, right after
         building DDP, before its first backward (the integrations do). Idempotent.
 
@@ -318,6 +317,11 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._grad.bind(ddp, grad_reduce_default=grad_reduce_default, overlap_default=overlap_default,
                         syncs_every_backward=syncs_every_backward, grad_scaler=grad_scaler)
         self.mark_ddp_reduced()
+
+    def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True):
+        """Stage 2, no DDP: broadcast ``module``'s params and buffers from rank 0 (buffers at each forward too, as DDP),
+        reduce-scatter grads as the backward makes them, give it ``no_sync()``. Collective; see docs/stage2.md."""
+        self._grad.bind_module(module, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers)
 
     @property
     def grad_reduce(self) -> str:
@@ -334,13 +338,14 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         every param is complete. Not a collective: each rank waits for its own."""
         self._grad.wait()
 
-    def _clip_args(self, parameters, what: str) -> tuple[set[int], list, set[int]]:
-        """(chosen, this rank's pieces, the partial grads), after averaging the unreduced grads."""
+    def _clip_args(self, parameters, what: str) -> tuple[set[int], list, set[int], Any]:
+        """(chosen, this rank's pieces, the partial grads, stage 2's grads), after averaging the unreduced grads."""
         chosen = self._table.selected(parameters, what)
         if not self._iteration.grads_averaged:
             self.average_unreduced_grads()
-        pieces = _clip.norm_pieces(self._table, self._comm, self.shard, self._live())
-        return chosen, pieces, self._grad.partial_grads
+        sharded = self._grad.sharded_grads()
+        pieces = sharded.pieces if sharded else _clip.norm_pieces(self._table, self._comm, self.shard, self._live())
+        return chosen, pieces, self._grad.partial_grads, sharded
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -349,8 +354,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         """Clip grads like ``torch.nn.utils.clip_grad_norm_(parameters, ...)`` (default: all
         params; frozen ones have no grad); returns the total norm before clipping. Collective:
         every rank passes the same params, sums its own elements, one scalar all-reduce."""
-        chosen, pieces, partial = self._clip_args(parameters, "clip_grad_norm_")
-        return _clip.clip_norm(self._comm, self._table, chosen, pieces, partial, max_norm=max_norm,
+        chosen, pieces, partial, sharded = self._clip_args(parameters, "clip_grad_norm_")
+        return _clip.clip_norm(self._comm, self._table, chosen, pieces, partial, max_norm=max_norm, grad_of=sharded,
                                norm_type=float(norm_type), error_if_nonfinite=error_if_nonfinite)
 
     @torch.no_grad()
@@ -358,8 +363,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         """Clamp grads to ``[-clip_value, clip_value]`` like
         ``torch.nn.utils.clip_grad_value_(parameters, ...)`` (default: all params), after
         averaging the grads DDP does not reduce. Collective."""
-        chosen, pieces, partial = self._clip_args(parameters, "clip_grad_value_")
-        for g in _clip.valid_grads(self._table, chosen, pieces, partial):
+        chosen, pieces, partial, sharded = self._clip_args(parameters, "clip_grad_value_")
+        for g in _clip.valid_grads(self._table, chosen, pieces, partial, sharded):
             g.clamp_(-clip_value, clip_value)
 
     # -- Join ------------------------------------------------------------------------

@@ -186,12 +186,12 @@ class Partition:
 
     # -- the step ---------------------------------------------------------------------
     def step_and_sync(self, param_groups: list[dict], kwargs: dict, comm: Comm, params: tuple[torch.Tensor, ...],
-                      overlap) -> Any:
+                      overlap, grad_of=None) -> Any:
         """:meth:`step`, then :meth:`sync`. Blocking syncs of bucket views are pipelined
         (see [Note: pipelined sync]); the result is the same."""
         self.follow_edits()
         if comm.world_size == 1 or overlap is not None or not self.bucket_view:
-            loss = self.step(param_groups, kwargs)
+            loss = self.step(param_groups, kwargs, grad_of=grad_of)
             self.sync(comm, params, overlap)
             return loss
         plans, pending = self.layout.buffers, []
@@ -199,17 +199,18 @@ class Partition:
         def launch(b: int) -> None:
             pending.append(comm.sync_buffer(self.buffers[b], plans[b].bounds, async_op=True))
 
-        loss = self.step(param_groups, kwargs, buffer_done=launch)
+        loss = self.step(param_groups, kwargs, buffer_done=launch, grad_of=grad_of)
         for p in pending:
             if p is not None:
                 p.wait()
         return loss
 
-    def step(self, param_groups: list[dict], kwargs: dict, buffer_done=None) -> Any:
+    def step(self, param_groups: list[dict], kwargs: dict, buffer_done=None, grad_of=None) -> Any:
         """Step this rank's pieces with the matching slices of their params' grads.
         Hyperparameters are copied in before and back after (the local optimizer may
         change its own, as with torch's ZeroRedundancyOptimizer). ``buffer_done(b)`` is
-        called for every buffer, in buffer order, once this rank's pieces of it are stepped."""
+        called for every buffer, in buffer order, once this rank's pieces of it are stepped.
+        ``grad_of(piece)``: a piece's 1-D grad (or None) where grads are not in ``.grad`` (stage 2)."""
         for inner_group, group in zip(self.inner.param_groups, param_groups):
             inner_group.update(hyperparams(group))
         flat = self.shard == "flat"
@@ -226,8 +227,8 @@ class Partition:
             chunks = self._step_chunks(kwargs, by_buffer=buffer_done is not None)
             for i, chunk in enumerate(chunks):
                 for lp in chunk:
-                    g = lp.param.grad
-                    if g is not None and flat:
+                    g = lp.param.grad if grad_of is None else _shaped(grad_of(lp.piece), lp.view)
+                    if g is not None and flat and grad_of is None:
                         g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
                     if lp.master is not None:
                         lp.master.set_grad(g)
@@ -307,6 +308,10 @@ class Partition:
                     for a, z in ((start, min(stop, lo)), (max(start, hi), stop)):
                         if a < z:
                             flat[a - start : z - start].copy_(buf[a:z])
+
+
+def _shaped(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    return None if grad is None else grad.view(like.shape)
 
 
 def _placed(state: dict, tensor: torch.Tensor) -> dict:

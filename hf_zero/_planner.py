@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from ._layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
+from ._stage2 import MAX_IN_FLIGHT, plan_buckets
 
 SCHEMA = "hf_zero.plan/2"
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
@@ -40,6 +41,10 @@ REFERENCES: dict[str, dict[str, tuple[int, int, int] | None]] = {
     "zero_paper_stage1": {"bfloat16": (2, 2, 12), "float16": (2, 2, 12), "float32": None},
     "deepspeed_zero1": {"bfloat16": (2, 2, 16), "float16": (2, 2, 16), "float32": None},
     "megatron_distributed": {"bfloat16": (2, 4, 12), "float16": (2, 2, 16), "float32": (4, 4, 8)},
+}
+# With ``--stage 2`` (gradients sharded): docs/planner.md.
+REFERENCES_STAGE2: dict[str, dict[str, tuple[int, int, int] | None]] = {
+    "zero_paper_stage2": {"bfloat16": (2, 0, 14), "float16": (2, 0, 14), "float32": None},
 }
 
 # Published shapes (the models' config.json on the Hugging Face Hub), written out
@@ -222,6 +227,7 @@ def plan(
     buffer_count: int = 0,
     master_weights: str | bool = "auto",
     bucket_cap_mb: float = _DDP_BUCKET_CAP_MB,
+    stage: int = 1,
 ) -> dict:
     """The plan report (the ``--json`` document) for ``params`` on ``world_size`` ranks.
 
@@ -230,8 +236,14 @@ def plan(
     rank owns; ``False`` steps the 16-bit params with state in their dtype. float32
     params never have masters. Every rank holds the params and the grads once (``p.grad``
     a view of DDP's bucket) and at most one bucket (``bucket_cap_mb``) of
-    reduce-scatter scratch.
+    reduce-scatter scratch. ``stage=2``: each rank holds only its shard of the grads
+    (the owned ranges of stage 2's buckets, in the params' dtype) and up to
+    ``MAX_IN_FLIGHT + 1`` reduce buckets of ``bucket_cap_mb`` during the backward
+    (docs/stage2.md); the report then has ``stage``, ``reduce_bucket_bytes`` and each
+    hf_zero plan's ``grad_shard_bytes_per_rank``.
     """
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if optimizer not in OPTIMIZERS:
@@ -260,6 +272,9 @@ def plan(
     train_numel = sum(p.numel for p in trainable)
     unsharded_state = sum(_owned_bytes(p.shape, p.numel, optimizer, state_itemsize, masters) for p in trainable)
     scratch = min(int(bucket_cap_mb * 2**20), train_numel * itemsize) if world_size > 1 else 0
+    buckets = plan_buckets(specs, int(bucket_cap_mb * 2**20)) if stage == 2 else None
+    grads = train_numel * itemsize if stage == 1 else 0
+    reduce_buckets = min((MAX_IN_FLIGHT + 1) * int(bucket_cap_mb * 2**20), train_numel * itemsize) if stage == 2 else 0
     report = {
         "schema": SCHEMA,
         "model": {
@@ -278,7 +293,7 @@ def plan(
         "backend": backend,
         "per_rank_common": {
             "param_bytes": total * itemsize,
-            "grad_bytes": train_numel * itemsize,
+            "grad_bytes": grads,
             "scratch_bytes": scratch,
         },
         "unsharded": {
@@ -287,9 +302,16 @@ def plan(
         },
         "plans": {},
     }
+    if stage == 2:
+        report["stage"] = 2
+        report["per_rank_common"]["reduce_bucket_bytes"] = reduce_buckets
     for shard in shards:
-        plan_ = _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend, state_itemsize, masters)
-        plan_["max_rank_bytes"] = total * itemsize + train_numel * itemsize + scratch + plan_["max_state_bytes"]
+        plan_ = _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend, state_itemsize, masters,
+                              buckets)
+        sharded = plan_["state_bytes_per_rank"]
+        if stage == 2:
+            sharded = [a + b for a, b in zip(sharded, plan_["grad_shard_bytes_per_rank"])]
+        plan_["max_rank_bytes"] = total * itemsize + grads + reduce_buckets + scratch + max(sharded)
         report["plans"][f"hf_zero_{shard}"] = plan_
     # torch's ZeroRedundancyOptimizer: one dtype, no masters, grads in p.grad, broadcasts (no scratch)
     torch_plan = _torch_plan(params, specs, world_size, optimizer, itemsize)
@@ -297,7 +319,8 @@ def plan(
     report["plans"]["torch_zero"] = torch_plan
     for p in report["plans"].values():
         p["bytes_per_param"] = p["max_rank_bytes"] / total if total else 0.0
-    report["references"] = _references(total, train_numel, world_size, dtype, optimizer)
+    report["references"] = _references(total, train_numel, world_size, dtype, optimizer,
+                                       {**REFERENCES, **(REFERENCES_STAGE2 if stage == 2 else {})})
     return report
 
 
@@ -306,11 +329,11 @@ def _owned_bytes(shape, numel, optimizer, state_itemsize, masters) -> int:
     return state_bytes(shape, numel, optimizer=optimizer, itemsize=state_itemsize) + (4 * numel if masters else 0)
 
 
-def _references(total, trainable, world_size, dtype, optimizer) -> dict:
-    """Per-rank bytes of the published accountings in :data:`REFERENCES` (Adam(W) only)."""
+def _references(total, trainable, world_size, dtype, optimizer, references=REFERENCES) -> dict:
+    """Per-rank bytes of the published accountings in ``references`` (Adam(W) only)."""
     name = str(dtype).removeprefix("torch.")
     out = {}
-    for ref, by_dtype in REFERENCES.items():
+    for ref, by_dtype in references.items():
         coef = by_dtype.get(name) if optimizer == "adamw" else None
         if coef is None:
             out[ref] = None
@@ -322,8 +345,9 @@ def _references(total, trainable, world_size, dtype, optimizer) -> dict:
     return out
 
 
-def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend, state_itemsize, masters) -> dict:
-    layout = plan_layout(specs, world_size=world_size, shard=shard)
+def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend, state_itemsize, masters,
+                  buckets=None) -> dict:
+    layout = plan_layout(specs, world_size=world_size, shard=shard, buckets=buckets)
     elements = layout.owned_elements()
     state = []
     for r in range(world_size):
@@ -353,7 +377,7 @@ def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend
         }
         for b in layout.buffers
     ]
-    return {
+    out = {
         "trainable_elements_per_rank": elements,
         "state_bytes_per_rank": state,
         "max_state_bytes": max(state),
@@ -362,6 +386,13 @@ def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend
         "collectives_per_step": {"sync": sync, "sync_kind": kind, "control": 1 if world_size > 1 else 0},
         "sync_bytes_per_step": sum(b["bytes"] for b in buffers),
     }
+    if buckets is not None:  # stage 2: each rank keeps its range of every bucket (cut at the bucket's end)
+        ends = [max(s.offset + s.numel for s in b.slots) for b in layout.buffers]
+        out["grad_shard_bytes_per_rank"] = [
+            sum(min(b.bounds[r + 1], end) - min(b.bounds[r], end) for b, end in zip(layout.buffers, ends)) * itemsize
+            for r in range(world_size)
+        ]
+    return out
 
 
 def _torch_plan(params, specs, world_size, optimizer, itemsize) -> dict:
@@ -390,13 +421,15 @@ def format_report(report: dict) -> str:
     """The human-readable table ``hf-zero plan`` prints."""
     m, ws = report["model"], report["world_size"]
     gib = 1024**3
+    common = report["per_rank_common"]
+    grads = (f"grads {common['grad_bytes'] / gib:.3f} GiB (held once), " if report.get("stage") != 2 else
+             f"grads sharded (stage 2), reduce buckets {common['reduce_bucket_bytes'] / gib:.3f} GiB, ")
     lines = [
         f"model {m['name']}{f' ({arch})' if (arch := m.get('architecture')) else ''}: {m['params']:,} params in {m['param_tensors']} tensors, "
         f"{m['trainable_params']:,} trainable in {m['trainable_tensors']} ({m['dtype']})",
         f"world size {ws}, optimizer {report['optimizer']}, backend {report['backend']}",
-        f"every rank: params {report['per_rank_common']['param_bytes'] / gib:.3f} GiB, "
-        f"grads {report['per_rank_common']['grad_bytes'] / gib:.3f} GiB (held once), "
-        f"reduce-scatter scratch {report['per_rank_common']['scratch_bytes'] / gib:.3f} GiB (one bucket)",
+        f"every rank: params {report['per_rank_common']['param_bytes'] / gib:.3f} GiB, " + grads
+        + f"reduce-scatter scratch {report['per_rank_common']['scratch_bytes'] / gib:.3f} GiB (one bucket)",
         f"fp32 master weights: {'yes, sharded with the state' if report['master_weights'] else 'no'}",
         f"unsharded optimizer state {report['unsharded']['state_bytes'] / gib:.3f} GiB "
         f"(ideal per rank {report['unsharded']['ideal_state_bytes_per_rank'] / gib:.3f} GiB)",
@@ -417,7 +450,8 @@ def format_report(report: dict) -> str:
         if r is not None:
             lines.append(f"{ref:<23}{'':>9}{r['max_rank_bytes'] / gib:>29.3f}{r['bytes_per_param']:>13.2f}   {r['formula']}")
     lines.append("max rank = params + grads + scratch + the largest rank's optimizer state and masters "
-                 "(activations not included); references: docs/planner.md")
+                 + ("(stage 2: + its grad shard + reduce buckets) " if report.get("stage") == 2 else "")
+                 + "(activations not included); references: docs/planner.md")
     lines.append("collectives per step: hf_zero = sync + 1 control all-reduce; torch_zero = bucket-view broadcasts "
                  f"({report['plans']['torch_zero']['collectives_per_step']['no_bucket_view']} without bucket views)")
     if ws <= 16:
@@ -478,6 +512,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--master-weights", choices=MASTER_WEIGHTS, default="auto",
                         help="fp32 master weights for 16-bit params (auto, the optimizer's default: yes for "
                         "bfloat16/float16)")
+    parser.add_argument("--stage", type=int, choices=(1, 2), default=1,
+                        help="2: gradients sharded too (ZeroBucketOptimizer(stage=2), docs/stage2.md)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (docs/planner.md)")
     parser.add_argument("--plot", metavar="FILE.png", help="also write a bar chart of per-rank state")
 
@@ -504,7 +540,8 @@ def run(args) -> dict:
         ) from None
     report = plan(params, world_size=args.world_size, optimizer=args.optimizer, shards=shards,
                   dtype=DTYPES[args.dtype], backend=args.backend, model_name=args.model,
-                  architecture=architecture, buffer_count=n_buffers, master_weights=args.master_weights)
+                  architecture=architecture, buffer_count=n_buffers, master_weights=args.master_weights,
+                  stage=args.stage)
     if args.plot:
         plot_report(report, args.plot)
     print(json.dumps(report, indent=2) if args.json else format_report(report))

@@ -26,6 +26,7 @@ LAYERS = [
     "_export",
     "_overlap",
     "_scatter_hook",
+    "_stage2",
     "_gradpath",
     "_clip",
     "_partition",

@@ -265,3 +265,20 @@ def test_master_weights_option_is_named():
     w = planner.NamedParam("w", (4, 7), True)
     with pytest.raises(ValueError, match="master_weights"):
         planner.plan([w], world_size=2, master_weights="yes")
+
+
+@pytest.mark.parametrize("dtype, analytic, itemsize", [("bfloat16", 2 + 14 / 8, 2), ("float32", 4 + 12 / 8, 4)])
+def test_stage2_llama_3_8b_bytes_per_param_at_8_ranks(capsys, dtype, analytic, itemsize):
+    assert cli.main(["plan", "--model", "llama-3-8b", "--world-size", "8", "--dtype", dtype, "--stage", "2",
+                     "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["stage"] == 2 and report["per_rank_common"]["grad_bytes"] == 0
+    assert report["per_rank_common"]["reduce_bucket_bytes"] == 3 * 25 * 2**20
+    flat = report["plans"]["hf_zero_flat"]
+    # Every grad element is in exactly one rank's shard.
+    assert sum(flat["grad_shard_bytes_per_rank"]) == LLAMA_8B * itemsize
+    # params + the grad shard + masters and state for 1/N, + three 25 MiB reduce buckets and one of scratch
+    assert analytic <= flat["bytes_per_param"] <= analytic + 0.015
+    paper = report["references"]["zero_paper_stage2"]
+    assert (paper is None) if dtype == "float32" else paper["bytes_per_param"] == pytest.approx(analytic)
+    assert "stage" not in planner.plan([planner.NamedParam("w", (4, 7), True)], world_size=2)

@@ -1,0 +1,357 @@
+"""Stage 2: hf_zero's own gradient reducer, grads sharded as the backward produces them.
+
+[Note: stage 2 reducer]
+Under stage 2 the model is not wrapped in DDP (DDP's reducer allocates every gradient
+bucket whole: docs/stage2.md). :meth:`Reducer.bind` broadcasts the module's params and
+buffers from rank 0, as DDP does (buffers again before each forward that syncs grads,
+DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the optimizer:
+
+- **Buckets.** The trainable params, in reverse order (about the order a backward
+  finishes them), are cut into buckets of at most ``bucket_cap_mb`` (one larger param
+  alone), one (device, dtype) each (:func:`plan_buckets`). The optimizer's layout is
+  planned with these buckets ([Note: bucket layout] in _layout.py), so each bucket splits
+  into the N ranges its ranks own. The plan is a function of the params' specs only: a
+  freeze or unfreeze re-plans it identically on every rank.
+- **Hook.** Once autograd has finished a param's grad (a post-accumulate-grad hook), it
+  is copied into its bucket (allocated at its first copy) and ``p.grad`` is set to None.
+- **Order.** At the first hook of a backward each bucket counts the params this
+  backward will reach (``torch._C._will_engine_execute_node``); a param it will not
+  reach adds zeros (or the grad it accumulated under ``no_sync()``). A bucket is
+  reduce-scattered (``Comm.reduce_scatter_``, asynchronous, overlapping the rest of the
+  backward) once it and every bucket before it are complete: every rank starts them in
+  bucket order, which gloo's point-to-point matching needs. The end of the backward (an
+  autograd engine callback) starts whatever is left, in the same order, and finishes
+  every bucket: every rank reduces every bucket in every syncing backward, so a param
+  unused on some ranks is averaged with their zeros (DDP's ``find_unused_parameters``)
+  and nothing waits for a grad that never comes.
+- **In flight.** At most :data:`MAX_IN_FLIGHT` buckets are being reduced at once (on
+  gloo point to point one: starting a reduce-scatter finishes the one holding the
+  receive scratch, [Note: reduce-scatter scratch] in _comm.py); finishing one adds this
+  rank's range into its *shard* (the bucket's owned range, in the bucket's dtype, kept
+  until the step) and frees the bucket. Buckets alive at once: those in flight plus
+  those being filled, usually one or two, each at most ``bucket_cap_mb`` (a bucket
+  complete before an earlier one waits for it; a param larger than the cap is a bucket
+  of its own).
+- **Accumulation.** Every syncing backward adds into the shards (as DeepSpeed and
+  Colossal-AI do). Under :meth:`Reducer.no_sync` the hooks do nothing: grads accumulate
+  in ``p.grad`` and the next syncing backward reduces the sum.
+- **Reading.** :meth:`Reducer.sharded` hands the step and clipping this rank's averaged
+  grads (:class:`ShardedGrads`). A param no rank got a grad for since the last step has
+  none (DDP's ``find_unused_parameters`` leaves it None too; the optimizer skips it):
+  the first read after a backward agrees on that with one small all-reduce. The step
+  consumes the shards (as ``zero_grad`` would).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ._comm import Comm
+from ._engine import backward_reaches, queue_end_of_backward
+from ._layout import Layout, Piece, plan_layout
+
+DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
+MAX_IN_FLIGHT = 2  # buckets being reduce-scattered at once (see the note)
+
+
+def plan_buckets(specs, cap_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """The trainable params' indices, last first, cut into buckets of at most ``cap_bytes``
+    (a larger param alone), each of one (device, dtype). Pure: the same on every rank."""
+    buckets: list[list[int]] = []
+    key, size = None, 0
+    for i in reversed(range(len(specs))):
+        s = specs[i]
+        if not s.trainable or s.numel == 0:
+            continue
+        nbytes = s.numel * s.dtype.itemsize
+        if not buckets or (s.device, s.dtype) != key or size + nbytes > cap_bytes:
+            buckets.append([])
+            key, size = (s.device, s.dtype), 0
+        buckets[-1].append(i)
+        size += nbytes
+    return tuple(tuple(b) for b in buckets)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One layout as the reducer uses it; ``where[i]``: (buffer, offset, numel) of param i;
+    per buffer (in bucket order): its reduced size, bounds, and this rank's range in it."""
+
+    layout: Layout
+    where: dict
+    sizes: tuple[int, ...]
+    owned: tuple[tuple[int, int], ...]
+
+
+def _plan_of(layout: Layout, rank: int) -> _Plan:
+    where, sizes, owned = {}, [], []
+    for b, buf in enumerate(layout.buffers):
+        end = max(s.offset + s.numel for s in buf.slots)
+        for s in buf.slots:
+            where[s.index] = (b, s.offset, s.numel)
+        sizes.append(end)
+        owned.append((min(buf.bounds[rank], end), min(buf.bounds[rank + 1], end)))
+    return _Plan(layout, where, tuple(sizes), tuple(owned))
+
+
+class ShardedGrads:
+    """This rank's averaged grads since the last step: for a piece of :attr:`layout`, the
+    1-D grad of its elements (a view of the shard), or None (no rank had a grad for it)."""
+
+    def __init__(self, plan: _Plan, shards: list, present: frozenset, rank: int):
+        self.layout = plan.layout
+        self.pieces: list[Piece] = plan.layout.pieces(rank)
+        self._plan, self._shards, self._present = plan, shards, present
+
+    def __call__(self, piece: Piece) -> torch.Tensor | None:
+        if piece.index not in self._present or self._shards[piece.buffer] is None:
+            return None
+        shard = self._shards[piece.buffer]
+        start = piece.offset - self._plan.owned[piece.buffer][0]
+        return shard[start : start + piece.numel]
+
+
+class Reducer:
+    """See [Note: stage 2 reducer]. ``table``: a callable returning the optimizer's
+    ParamTable (held weakly by the caller); ``shard``: its shard mode."""
+
+    def __init__(self, comm: Comm, table, shard: str):
+        self.comm = comm
+        self._table = table
+        self._shard = shard
+        self.cap_bytes = int(DEFAULT_BUCKET_CAP_MB * (1 << 20))
+        self.module_ref = None
+        self._handles: list = []
+        self._plan: _Plan | None = None
+        self._plan_key = None
+        self._suspended = False  # inside no_sync()
+        # This backward (between its first hook and its end).
+        self._armed = False
+        self._left: list[int] = []  # per buffer: grads still to come this backward
+        self._next = 0  # the next buffer to reduce-scatter
+        self._filling: dict[int, torch.Tensor] = {}
+        self._in_flight: deque = deque()
+        # Since the last step.
+        self._shards: list = []  # per buffer of the reduced plan: this rank's range, or None
+        self._written: set[int] = set()  # buffers whose shard holds grads since the last step
+        self._reduced: _Plan | None = None  # the plan the shards follow
+        self.touched: set[int] = set()  # params with a local grad reduced since the last step
+        self._present: frozenset | None = None  # agreed over ranks at the first read
+        self.bucket_bytes = 0  # reduce buckets alive now
+        self.peak_bucket_bytes = 0  # their most since the last step
+
+    # -- binding ------------------------------------------------------------------------
+    @property
+    def bound(self) -> bool:
+        return self.module_ref is not None
+
+    def bind(self, module: torch.nn.Module, *, cap_bytes: int, broadcast_buffers: bool = True) -> None:
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(
+                "bind_module: stage=2 takes gradient synchronisation over from DistributedDataParallel; "
+                "pass the unwrapped module (model.module) and do not wrap it in DDP"
+            )
+        if self.module_ref is not None:
+            if self.module_ref() is module:
+                return
+            raise ValueError("bind_module: this optimizer is already bound to another module")
+        if getattr(module, "no_sync", None) is not None:
+            raise ValueError(f"bind_module: {type(module).__name__} already has a no_sync attribute")
+        if cap_bytes <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {cap_bytes / (1 << 20)}")
+        table = self._table()
+        missing = [n for n, p in module.named_parameters() if p.requires_grad and table.index(p) is None]
+        if missing:
+            raise ValueError(
+                f"bind_module: trainable params of the module are not in the optimizer: {missing[:5]}; "
+                "give the optimizer every param (frozen ones too) or freeze these"
+            )
+        self.cap_bytes = cap_bytes
+        seen, tensors = set(), []
+        for t in [*table.params, *module.parameters(), *module.buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                tensors.append(t.data)
+        with torch.no_grad():
+            self.comm.broadcast_(tensors, src=0, what="broadcasting parameters and buffers from rank 0")
+        me = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(table.params)]
+        if broadcast_buffers and self.comm.world_size > 1 and any(True for _ in module.buffers()):
+            self._handles.append(module.register_forward_pre_hook(_buffer_sync(me)))
+        self.module_ref = weakref.ref(module)
+        module.no_sync = self.no_sync
+
+    @property
+    def suspended(self) -> bool:
+        """Inside :meth:`no_sync`."""
+        return self._suspended
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Grads accumulate in ``p.grad`` (not reduced) inside; the next syncing backward reduces the sum."""
+        suspended, self._suspended = self._suspended, True
+        try:
+            yield
+        finally:
+            self._suspended = suspended
+
+    # -- planning --------------------------------------------------------------------------
+    def buckets(self) -> tuple[tuple[int, ...], ...]:
+        """The buckets of the current specs (what the optimizer plans its layout with)."""
+        return plan_buckets(self._table().specs(), self.cap_bytes)
+
+    def _current_plan(self) -> _Plan:
+        specs = self._table().specs()
+        key = (tuple(specs), self.cap_bytes)
+        if key != self._plan_key:
+            layout = plan_layout(specs, world_size=self.comm.world_size, shard=self._shard,
+                                 buckets=plan_buckets(specs, self.cap_bytes))
+            self._plan, self._plan_key = _plan_of(layout, self.comm.rank), key
+        return self._plan
+
+    # -- the backward ----------------------------------------------------------------------
+    def on_grad(self, i: int, p: torch.Tensor) -> None:
+        if self._suspended or p.grad is None:
+            return
+        if not self._armed:
+            self._begin()
+        where = self._plan.where.get(i)
+        if where is None:  # no elements: in no bucket
+            p.grad = None
+            return
+        if where[0] < self._next:
+            raise RuntimeError(
+                f"hf_zero stage 2: a second gradient for {self._table().label(i)} in one backward, after its "
+                "bucket was reduced"
+            )
+        self._copy(i, p)
+        self._left[where[0]] -= 1
+        self._launch_ready()
+
+    def _begin(self) -> None:
+        plan = self._current_plan()
+        if self._written and self._reduced is not plan:
+            raise RuntimeError(
+                "hf_zero stage 2: the trainable params (or their shapes) changed between two backwards "
+                "of one gradient accumulation: change requires_grad only right after optimizer.step() "
+                "or zero_grad()"
+            )
+        self._armed, self._next = True, 0
+        self._left = [0] * len(plan.sizes)
+        params = self._table().params
+        for i, (b, _, _) in plan.where.items():
+            if backward_reaches(params[i]):
+                self._left[b] += 1
+            elif params[i].grad is not None:  # accumulated under no_sync(), not reached now
+                self._copy(i, params[i])
+        queue_end_of_backward(self._end_of_backward)
+        self._launch_ready()
+
+    def _copy(self, i: int, p: torch.Tensor) -> None:
+        b, offset, numel = self._plan.where[i]
+        self._bucket(b)[offset : offset + numel].copy_(p.grad.reshape(-1))
+        p.grad = None
+        self.touched.add(i)
+
+    def _bucket(self, b: int) -> torch.Tensor:
+        buf = self._filling.get(b)
+        if buf is None:
+            plan = self._plan.layout.buffers[b]
+            buf = self._filling[b] = torch.zeros(self._plan.sizes[b], dtype=plan.dtype, device=plan.device)
+            self.bucket_bytes += buf.nbytes
+            self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes)
+        return buf
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._left) and self._left[self._next] == 0:
+            self._launch(self._next)
+
+    def _launch(self, b: int) -> None:
+        buf = self._bucket(b)
+        del self._filling[b]
+        self._next = b + 1
+        while len(self._in_flight) >= MAX_IN_FLIGHT:
+            self._finish(*self._in_flight.popleft())
+        pending = self.comm.reduce_scatter_(buf, self._plan.layout.buffers[b].bounds)
+        self._in_flight.append((b, buf, pending))
+
+    def _finish(self, b: int, buf: torch.Tensor, pending) -> None:
+        pending.wait()
+        lo, hi = self._plan.owned[b]
+        if self._reduced is not self._plan:
+            self._shards, self._reduced = [None] * len(self._plan.sizes), self._plan
+        shard = self._shards[b]
+        if b in self._written:
+            shard.add_(buf[lo:hi])
+        else:
+            if shard is None:
+                shard = self._shards[b] = torch.empty(hi - lo, dtype=buf.dtype, device=buf.device)
+            shard.copy_(buf[lo:hi])
+            self._written.add(b)
+        self.bucket_bytes -= buf.nbytes
+
+    def _end_of_backward(self) -> None:
+        while self._next < len(self._left):
+            self._launch(self._next)
+        while self._in_flight:
+            self._finish(*self._in_flight.popleft())
+        self._armed, self._present = False, None
+
+    # -- reading ---------------------------------------------------------------------------
+    def sharded(self) -> ShardedGrads:
+        """This rank's averaged grads. Collective after a backward (agreeing on which params have one)."""
+        if not self.bound:
+            raise RuntimeError(
+                "hf_zero: stage=2 reduces grads itself: call optimizer.bind_module(model) on every rank "
+                "before the first backward (and do not wrap the model in DistributedDataParallel)"
+            )
+        table = self._table()
+        local = [table.label(i) for i, p in enumerate(table.params) if p.requires_grad and p.grad is not None]
+        if local:
+            raise RuntimeError(
+                f"hf_zero stage 2: {local[0]} has a gradient that was never reduced: the last backward before "
+                "the step (or clipping) ran under no_sync(), or the grad was set by hand"
+            )
+        if self._reduced is None or not self._written:
+            return ShardedGrads(self._current_plan(), [], frozenset(), self.comm.rank)
+        if self._present is None:
+            mask = torch.zeros(len(table.params), dtype=torch.float32, device=self.comm.device)
+            if self.touched:
+                mask[sorted(self.touched)] = 1
+            self.comm.all_reduce_(mask, op="max", what="agreeing on which params have gradients")
+            self._present = frozenset(mask.nonzero().flatten().tolist())
+        return ShardedGrads(self._reduced, self._shards, self._present, self.comm.rank)
+
+    def step_taken(self) -> None:
+        """The step consumed the grads (or ``zero_grad``): the shards hold nothing now."""
+        self._written.clear()
+        self.touched.clear()
+        self._present = None
+        self.peak_bucket_bytes = self.bucket_bytes
+
+
+def _buffer_sync(reducer_ref):
+    """Before each forward that will sync grads (grad mode on, not under ``no_sync()``), rank 0's
+    buffers, as DDP's ``broadcast_buffers`` (its ``_pre_forward``)."""
+
+    def before_forward(module: torch.nn.Module, args) -> None:
+        reducer = reducer_ref()
+        if reducer is not None and torch.is_grad_enabled() and not reducer.suspended:
+            with torch.no_grad():
+                reducer.comm.broadcast_([b for b in module.buffers()], src=0, what="broadcasting buffers from rank 0")
+
+    return before_forward
+
+
+def _hook(reducer_ref, i: int):
+    def hook(p: torch.Tensor) -> None:
+        reducer = reducer_ref()
+        if reducer is not None:
+            reducer.on_grad(i, p)
+
+    return hook

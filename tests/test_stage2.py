@@ -1,0 +1,449 @@
+"""stage=2 (grads sharded as the backward produces them, no DDP) equals the plain optimizer
+on the global batch.
+
+Each case trains 7 steps on 2 and 3 gloo ranks (different data per rank, small buckets so a
+model spans several) and is compared with a single-process run of the same torch optimizer:
+final params (float64, 1e-12 as tests/test_gradient_path.py), the consolidated state dict
+and, where clipped, every step's total grad norm (rtol 1e-10). Replicas must be bitwise
+identical, every ``p.grad`` None after each backward, and the grads really reduce-scattered.
+One spawn per world size runs the table.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests._dist import run_case, run_ranks
+from tests.models import (
+    BATCH, Setup, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model,
+    make_reference, make_zero, params_of, shard_of,
+)
+
+STEPS = 7
+BUCKET_MB = 0.0005  # ~65 float64 elements per bucket: several buckets per model
+
+# Freezing and unfreezing every few steps: the buckets are re-planned on every rank.
+TOGGLE = ((0, ()), (2, ("net.0.",)), (4, ()), (5, ("net.2.", "scale")), (6, ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    setup: Setup
+    accumulate: int = 1  # micro-batches per step
+    no_sync: bool = False  # all but the last micro-batch under model.no_sync() (else each is reduced)
+    clip_norm: float | None = None
+    clip_value: float | None = None
+    skip_scale_on: int | None = None  # this rank's loss does not use MLP.scale (unused there only)
+    overlap: bool = False  # overlap_param_sync: the next forward waits for the parameter sync
+
+
+CASES = {
+    "flat": Case(Setup()),
+    "param": Case(Setup(shard="param")),
+    "accumulate-4": Case(Setup(), accumulate=4),
+    "accumulate-4-no-sync-param": Case(Setup(shard="param"), accumulate=4, no_sync=True),
+    "clip-norm": Case(Setup(), clip_norm=0.05),
+    "clip-norm-param-accumulate": Case(Setup(shard="param"), clip_norm=0.05, accumulate=2),
+    "clip-value": Case(Setup(), clip_value=0.01),
+    "tied": Case(Setup(model="tied"), clip_norm=0.5),
+    "tied-param": Case(Setup(model="tied", shard="param")),
+    "unused-on-one-rank": Case(Setup(), skip_scale_on=1, clip_norm=0.05),
+    "freeze-toggle": Case(Setup(schedule=TOGGLE), clip_norm=0.05),
+    "freeze-toggle-param-accumulate": Case(Setup(shard="param", schedule=TOGGLE), accumulate=2),
+    "groups-sgd": Case(Setup(optimizer="sgd", groups="decay")),
+    "adafactor-param": Case(Setup(optimizer="adafactor", shard="param"), clip_norm=0.05),
+    "no-param-views": Case(Setup(view=False)),
+    "overlap-param-accumulate": Case(Setup(shard="param"), overlap=True, accumulate=2, clip_norm=0.05),
+    "tiny-ranks-owning-nothing": Case(Setup(model="tiny")),
+}
+
+
+def _loss(model, batch, case: Case, rank: int):
+    if case.skip_scale_on == rank:
+        x, y = batch
+        return F.mse_loss(model.net(x), y)
+    return model(*batch)
+
+
+def _loop(case: Case, model, opt, *, world_size, rank=None):
+    """Train; ``rank=None`` is the reference: one backward of the mean of every rank's
+    loss (the global batch), torch's clipping. Returns (each step's clipped norm, whether
+    every ``p.grad`` was None after every backward, bytes of the buckets alive after)."""
+    setup, norms, freed, leftover = case.setup, [], True, 0
+    for step in range(STEPS):
+        setup.apply_schedule(model, step)
+        batch = model.batch(step, BATCH * world_size)
+        if rank is None:
+            sum(_loss(model, shard_of(batch, r), case, r) for r in range(world_size)).div(world_size).backward()
+            for p in model.parameters():
+                if not p.requires_grad:
+                    p.grad = None
+            if case.clip_norm is not None:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm).item())
+            if case.clip_value is not None:
+                torch.nn.utils.clip_grad_value_(model.parameters(), case.clip_value)
+        else:
+            batch = shard_of(batch, rank)
+            micro = BATCH // case.accumulate
+            for m in range(case.accumulate):
+                part = tuple(t[m * micro : (m + 1) * micro] for t in batch)
+                if case.no_sync and m + 1 < case.accumulate:
+                    with model.no_sync():
+                        (_loss(model, part, case, rank) / case.accumulate).backward()
+                else:
+                    (_loss(model, part, case, rank) / case.accumulate).backward()
+                    freed = freed and all(p.grad is None for p in model.parameters())
+                    leftover = max(leftover, opt.gradient_path.stage2.bucket_bytes)
+            if case.clip_norm is not None:
+                norms.append(opt.clip_grad_norm_(case.clip_norm).item())
+            if case.clip_value is not None:
+                opt.clip_grad_value_(case.clip_value)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return norms, freed, leftover
+
+
+def _train(rank, world_size, case: Case):
+    setup = case.setup
+    model = build_model(setup.model)
+    setup.apply_schedule(model, 0)
+    opt = make_zero(setup, model, stage=2, overlap_param_sync=case.overlap)
+    opt.bind_module(model, bucket_cap_mb=BUCKET_MB)
+    assert opt.overlaps_param_sync == (case.overlap and world_size > 1)
+    scattered = []
+    reduce_scatter = opt.gradient_path.comm.reduce_scatter_
+
+    def counted(buffer, bounds):
+        scattered.append(buffer.numel())
+        return reduce_scatter(buffer, bounds)
+
+    opt.gradient_path.comm.reduce_scatter_ = counted
+    norms, freed, leftover = _loop(case, model, opt, world_size=world_size, rank=rank)
+    model.state_dict()  # with overlap, the last step's sync is still in flight: this drains it
+    params = params_of(model)
+    opt.consolidate_state_dict(to=0)
+    return {
+        "params": params,
+        "state_dict": opt.state_dict() if rank == 0 else None,
+        "norms": norms,
+        "scattered": len(scattered),
+        "freed": freed,
+        "leftover": leftover,
+        "buckets": len(opt.gradient_path.wanted_buckets),
+    }
+
+
+def _reference(case: Case, world_size: int):
+    model = build_model(case.setup.model)
+    case.setup.apply_schedule(model, 0)
+    opt = make_reference(case.setup, model)
+    norms, _, _ = _loop(case, model, opt, world_size=world_size)
+    return params_of(model), opt.state_dict(), norms
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", CASES)
+def test_stage2_matches_reference(name, world_size):
+    case = CASES[name]
+    per_rank = run_case(_train, CASES, name, world_size, timeout=280)
+    ref_params, ref_state, ref_norms = _reference(case, world_size)
+    assert_replicas_identical([r["params"] for r in per_rank])
+    assert_params_equal(per_rank[0]["params"], ref_params)
+    assert_state_dict_equal(per_rank[0]["state_dict"], ref_state)
+    syncing = STEPS * (1 if case.no_sync else case.accumulate)
+    for r in per_rank:
+        assert r["freed"] and r["leftover"] == 0
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref_norms), rtol=1e-10, atol=0)
+        # Every bucket is reduce-scattered in every syncing backward, on every rank.
+        assert r["scattered"] >= syncing * min(2, r["buckets"]), (r["scattered"], r["buckets"])
+
+
+# -- stage 2 against stage 1, memory, binding: one spawn for the lot ---------------------------------
+def _stage1_run(rank, world_size, setup: Setup, accumulate: int):
+    """Stage 1 the way Trainer runs it: DDP, reduce-scatter comm hook, no_sync for accumulation."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = build_model(setup.model)
+    opt = make_zero(setup, model, grad_reduce="reduce_scatter")
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
+    opt.bind_ddp(ddp)
+    _accumulated_steps(ddp, ddp.no_sync, opt, rank, world_size, accumulate)
+    return params_of(model)
+
+
+def _stage2_run(rank, world_size, setup: Setup, accumulate: int):
+    model = build_model(setup.model)
+    opt = make_zero(setup, model, stage=2)
+    opt.bind_module(model, bucket_cap_mb=BUCKET_MB)
+    _accumulated_steps(model, model.no_sync, opt, rank, world_size, accumulate)
+    return params_of(model)
+
+
+def _accumulated_steps(forward, no_sync, opt, rank, world_size, accumulate):
+    model = getattr(forward, "module", forward)
+    for step in range(STEPS):
+        batch = shard_of(model.batch(step, BATCH * world_size), rank)
+        micro = BATCH // accumulate
+        for m in range(accumulate):
+            part = tuple(t[m * micro : (m + 1) * micro] for t in batch)
+            with no_sync() if m + 1 < accumulate else _nothing():
+                (forward(*part) / accumulate).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+class Deep(torch.nn.Module):
+    """Eight equal layers: with a bucket cap of about one layer, eight buckets."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32).double() for _ in range(8))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x.square().mean()
+
+
+LAYER_BYTES = (32 * 32 + 32) * 8
+
+
+def _memory(rank, world_size):
+    model = Deep()
+    opt = make_zero(Setup(), model, stage=2)
+    opt.bind_module(model, bucket_cap_mb=LAYER_BYTES / (1 << 20))
+    reducer = opt.gradient_path.stage2
+    seen = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        model(torch.randn(4, 32, generator=g, dtype=torch.float64)).backward()
+        shards = sum(s.nbytes for s in reducer._shards if s is not None)
+        seen.append((all(p.grad is None for p in model.parameters()), reducer.bucket_bytes,
+                     reducer.peak_bucket_bytes, shards, len(opt.gradient_path.wanted_buckets)))
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+def _broadcast_at_bind(rank, world_size):
+    torch.manual_seed(rank)  # different params on every rank
+    model = torch.nn.Linear(3, 2).double()
+    model.register_buffer("count", torch.full((2,), float(rank)))
+    opt = make_zero(Setup(), model, stage=2)
+    opt.bind_module(model)
+    return [t.clone() for t in (*model.parameters(), *model.buffers())]
+
+
+# Params keep storage of their own (view=False): a forward's bits depend on where a param
+# lies (CPU BLAS: a float64 matmul with its weight 8 rather than 16 bytes aligned differs by
+# an ulp), and the two stages lay their buffers out after different buckets.
+class Counting(torch.nn.Module):
+    """A buffer each forward adds rank + 1 to."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 1).double()
+        self.register_buffer("seen", torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x):
+        self.seen += torch.distributed.get_rank() + 1
+        return self.lin(x).sum()
+
+
+def _buffers_each_forward(rank, world_size, broadcast_buffers):
+    """``seen`` after two syncing forwards, a no_sync one and one without grad."""
+    model = Counting()
+    opt = make_zero(Setup(), model, stage=2)
+    opt.bind_module(model, broadcast_buffers=broadcast_buffers)
+    x = torch.ones(2, 3, dtype=torch.float64)
+    for _ in range(2):
+        model(x).backward()
+    with model.no_sync():
+        model(x).backward()
+    with torch.no_grad():
+        model(x)
+    opt.zero_grad()
+    return model.seen.item()
+
+
+BITWISE = {
+    "flat": (Setup(view=False), 1),
+    "param": (Setup(shard="param", view=False), 1),
+    "flat-no-sync-4": (Setup(view=False), 4),
+    "tied-param": (Setup(model="tied", shard="param", view=False), 1),
+    # fp32 and bf16 params, the bf16 ones stepped through fp32 masters: stage 1 equals the
+    # fp32-master reference bitwise (tests/test_masters.py), so stage 2 does too.
+    "mixed-bf16-masters": (Setup(model="mixed", view=False, master_weights=True), 1),
+    "mixed-bf16-masters-no-sync-2": (Setup(model="mixed", shard="param", view=False, master_weights=True), 2),
+}
+
+
+def _lot(rank, world_size):
+    out = {f"stage1-{k}": _stage1_run(rank, world_size, *v) for k, v in BITWISE.items()}
+    out.update({f"stage2-{k}": _stage2_run(rank, world_size, *v) for k, v in BITWISE.items()})
+    out["memory"] = _memory(rank, world_size)
+    out["broadcast"] = _broadcast_at_bind(rank, world_size)
+    out["buffers"] = [_buffers_each_forward(rank, world_size, b) for b in (True, False)]
+    return out
+
+
+_LOT: list = []
+
+
+def _lot_results() -> list:
+    """One spawn of 2 ranks for the tests below (the 3-rank table above checks p.grad and buckets too)."""
+    if not _LOT:
+        _LOT.append(run_ranks(_lot, 2, timeout=200))
+    return _LOT[0]
+
+
+@pytest.mark.timeout(220)
+@pytest.mark.parametrize("name", BITWISE)
+def test_stage2_is_bitwise_stage1_at_two_ranks(name):
+    """At 2 ranks the mean (a + b) / 2 is the same bits whichever way it is reduced, so stage 2
+    equals stage 1 under DDP with the reduce-scatter comm hook bit for bit (with no_sync
+    accumulation: both reduce the micro-batches' local sum once)."""
+    per_rank = _lot_results()
+    initial = params_of(build_model(BITWISE[name][0].model))
+    for r in per_rank:
+        for i, (a, b) in enumerate(zip(r[f"stage2-{name}"], r[f"stage1-{name}"])):
+            assert torch.equal(a, b), f"param {i}: max diff {(a - b).abs().max().item():.3g}"
+        assert not all(torch.equal(a, b) for a, b in zip(r[f"stage2-{name}"], initial)), "nothing was trained"
+
+
+@pytest.mark.timeout(220)
+def test_no_full_gradient_is_alive_after_the_backward():
+    """After each backward every p.grad is None and no reduce bucket is alive; during it at
+    most three of the eight one-layer buckets were (filling and in flight); what a rank
+    keeps is its shard: about 1/N of the grads."""
+    total, world_size = 8 * LAYER_BYTES, 2
+    for r in _lot_results():
+        for freed, alive, peak, shards, buckets in r["memory"]:
+            assert freed and alive == 0
+            assert buckets == 8
+            assert 0 < peak <= 3 * LAYER_BYTES, peak
+            assert shards <= total / world_size + 8 * 64, (shards, total / world_size)
+
+
+@pytest.mark.timeout(220)
+def test_params_and_buffers_are_broadcast_from_rank_0_at_bind():
+    per_rank = _lot_results()
+    for r in per_rank[1:]:
+        for a, b in zip(r["broadcast"], per_rank[0]["broadcast"]):
+            assert torch.equal(a, b)
+    assert torch.equal(per_rank[0]["broadcast"][-1], torch.zeros(2))
+
+
+# -- misuse: clear errors, raised before anything changes -------------------------------------------
+def _bound(**kwargs):
+    model = build_model("mlp")
+    opt = make_zero(Setup(), model, stage=2, **kwargs)
+    opt.bind_module(model)
+    return model, opt
+
+
+def _batch(model):
+    return model.batch(0, BATCH)
+
+
+@pytest.mark.parametrize("stage", [0, 3, True, "2"])
+def test_stage_must_be_1_or_2(stage):
+    with pytest.raises(ValueError, match="stage must be 1"):
+        make_zero(Setup(), build_model("mlp"), stage=stage)
+
+
+def test_stage2_contradicts_all_reduce():
+    with pytest.raises(ValueError, match="grad_reduce='all_reduce'"):
+        make_zero(Setup(), build_model("mlp"), stage=2, grad_reduce="all_reduce")
+
+
+def test_bind_module_is_for_stage2_only():
+    model = build_model("mlp")
+    with pytest.raises(ValueError, match="bind_module is for stage=2"):
+        make_zero(Setup(), model).bind_module(model)
+
+
+def test_step_without_bind_module_is_an_error_not_local_grads():
+    model = build_model("mlp")
+    opt = make_zero(Setup(), model, stage=2)
+    model(*_batch(model)).backward()
+    before = params_of(model)
+    with pytest.raises(RuntimeError, match="bind_module"):
+        opt.step()
+    assert_params_equal(params_of(model), before)
+
+
+def test_a_module_param_outside_the_optimizer_is_refused_at_bind():
+    model = build_model("mlp")
+    from hf_zero import ZeroBucketOptimizer
+
+    params = [p for n, p in model.named_parameters() if n != "scale"]
+    opt = ZeroBucketOptimizer(params, torch.optim.AdamW, stage=2, lr=1e-2)
+    with pytest.raises(ValueError, match="scale"):
+        opt.bind_module(model)
+    assert not hasattr(model, "no_sync")
+
+
+def test_step_after_a_no_sync_backward_only_is_an_error():
+    model, opt = _bound()
+    with model.no_sync():
+        model(*_batch(model)).backward()
+    assert model.net[0].weight.grad is not None  # kept, not reduced
+    with pytest.raises(RuntimeError, match="never reduced.*no_sync"):
+        opt.step()
+
+
+def test_freezing_between_backward_and_step_is_an_error():
+    model, opt = _bound()
+    model(*_batch(model)).backward()
+    opt.step()
+    model(*_batch(model)).backward()
+    model.net[0].weight.requires_grad_(False)
+    before = params_of(model)
+    with pytest.raises(RuntimeError, match="between the backward and optimizer.step"):
+        opt.step()
+    assert_params_equal(params_of(model), before)
+
+
+def test_grads_are_none_and_clipping_reads_the_shards_on_one_process():
+    model, opt = _bound()
+    ref_model = build_model("mlp")
+    model(*_batch(model)).backward()
+    ref_model(*_batch(ref_model)).backward()
+    assert all(p.grad is None for p in model.parameters())
+    want = torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1e9)
+    torch.testing.assert_close(opt.clip_grad_norm_(1e9), want, rtol=1e-12, atol=0)
+
+
+def test_a_param_without_elements_is_in_no_bucket_and_keeps_no_grad():
+    model = torch.nn.Linear(3, 2).double()
+    empty = torch.nn.Parameter(torch.zeros(0, dtype=torch.float64))
+    model.register_parameter("empty", empty)
+    opt = make_zero(Setup(), model, stage=2)
+    opt.bind_module(model)
+    for _ in range(2):
+        (model(torch.ones(4, 3, dtype=torch.float64)).sum() + empty.sum()).backward()
+        assert all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.timeout(220)
+def test_buffers_are_broadcast_before_each_syncing_forward_as_ddp_does():
+    """DDP's broadcast_buffers: rank 0's buffers before every forward with grad enabled, not
+    under no_sync() (DDP's ``require_forward_param_sync``) nor without grad."""
+    (on0, off0), (on1, off1) = (r["buffers"] for r in _lot_results())
+    assert (on0, on1) == (4.0, 1 + 3 * 2)  # rank 1: rank 0's 1 before its second forward, then +2 three times
+    assert (off0, off1) == (4.0, 8.0)
