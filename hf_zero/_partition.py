@@ -74,6 +74,7 @@ class Partition:
         self.ptrs = MappingProxyType(dict(ptrs))
         self.pieces = pieces
         self.inner = inner
+        self._grad_scratch: dict[torch.device, torch.Tensor] = {}  # masters' fp32 grads, reused each step
 
     @classmethod
     def build(cls, table: ParamTable, layout: Layout, held: Holdings, *, rank: int, optimizer_class: type,
@@ -135,6 +136,7 @@ class Partition:
         """End this partition's life (its state taken with :meth:`holdings`): drop its local
         optimizer and pieces and hand its buffers over, keeping no reference to either."""
         buffers, self.buffers, self.pieces, self.inner = self.buffers, (), (), None
+        self._grad_scratch = {}
         return buffers
 
     def emptied(self) -> "Partition":
@@ -216,12 +218,17 @@ class Partition:
         try:
             chunks = self._step_chunks(kwargs, by_buffer=buffer_done is not None)
             for i, chunk in enumerate(chunks):
+                scratch, used = self._scratch_for(chunk), {}
                 for lp in chunk:
                     g = lp.param.grad
                     if g is not None and flat:
                         g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
                     if lp.master is not None:
-                        lp.master.set_grad(g)
+                        # upcast into the chunk's slice of the reused fp32 scratch
+                        d, n = lp.tensor.device, lp.tensor.numel()
+                        at = used.get(d, 0)
+                        used[d] = at + n
+                        lp.master.set_grad(g, None if g is None else scratch[d][at : at + n])
                     else:
                         lp.tensor.grad = g
                 out = self.inner.step(**kwargs)
@@ -240,6 +247,25 @@ class Partition:
         for inner_group, group in zip(self.inner.param_groups, param_groups):
             group.update(hyperparams(inner_group))
         return loss
+
+    def _scratch_for(self, chunk: tuple[LocalPiece, ...]) -> dict[torch.device, torch.Tensor]:
+        """fp32 room, per device, for the master grads of ``chunk``: kept from step to step
+        (grown when a chunk needs more), so a step upcasts into it instead of allocating per
+        piece. A chunk above the chunk size (one piece that large, or an optimizer stepped
+        whole) gets room for this step only: the partition keeps at most a chunk's worth."""
+        need: dict[torch.device, int] = {}
+        for lp in chunk:
+            if lp.master is not None:
+                need[lp.tensor.device] = need.get(lp.tensor.device, 0) + lp.tensor.numel()
+        room = {}
+        for d, n in need.items():
+            buf = self._grad_scratch.get(d)
+            if buf is None or buf.numel() < n:
+                buf = torch.empty(n, dtype=torch.float32, device=d)
+                if n <= _GRAD_CHUNK_ELEMENTS:
+                    self._grad_scratch[d] = buf
+            room[d] = buf
+        return room
 
     def _step_chunks(self, kwargs: dict, *, by_buffer: bool = False) -> list[tuple[LocalPiece, ...]]:
         """The pieces in the groups the local optimizer steps one after the other.
