@@ -33,6 +33,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
+from torch.profiler import record_function
 
 from ._comm import Comm
 from ._layout import Layout, Piece
@@ -41,6 +42,10 @@ from ._params import ParamTable
 from ._state import Holding, Holdings, Kind, kind_of, move, plan_moves, shape_as
 
 NOT_HYPER = ("params", "param_names")
+# torch.profiler labels of the step's parts (benchmarks/e2e.py --profile sums them): the
+# grads handed to the local optimizer (the masters' upcast), its step, the masters' round
+# into the 16-bit params, the sync's launches and its wait
+PROFILE_LABELS = {part: f"hf_zero.{part}" for part in ("grads", "step", "round", "sync", "sync_wait")}
 _GRAD_CHUNK_ELEMENTS = 1 << 23  # fp32 master grads alive at once in a step: 32 MiB
 
 
@@ -190,12 +195,14 @@ class Partition:
         plans, pending = self.layout.buffers, []
 
         def launch(b: int) -> None:
-            pending.append(comm.sync_buffer(self.buffers[b], plans[b].bounds, async_op=True))
+            with record_function(PROFILE_LABELS["sync"]):
+                pending.append(comm.sync_buffer(self.buffers[b], plans[b].bounds, async_op=True))
 
         loss = self.step(param_groups, kwargs, buffer_done=launch)
-        for p in pending:
-            if p is not None:
-                p.wait()
+        with record_function(PROFILE_LABELS["sync_wait"]):
+            for p in pending:
+                if p is not None:
+                    p.wait()
         return loss
 
     def step(self, param_groups: list[dict], kwargs: dict, buffer_done=None) -> Any:
@@ -218,25 +225,28 @@ class Partition:
         try:
             chunks = self._step_chunks(kwargs, by_buffer=buffer_done is not None)
             for i, chunk in enumerate(chunks):
-                scratch, used = self._scratch_for(chunk), {}
-                for lp in chunk:
-                    g = lp.param.grad
-                    if g is not None and flat:
-                        g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
-                    if lp.master is not None:
-                        # upcast into the chunk's slice of the reused fp32 scratch
-                        d, n = lp.tensor.device, lp.tensor.numel()
-                        at = used.get(d, 0)
-                        used[d] = at + n
-                        lp.master.set_grad(g, None if g is None else scratch[d][at : at + n])
-                    else:
-                        lp.tensor.grad = g
-                out = self.inner.step(**kwargs)
+                with record_function(PROFILE_LABELS["grads"]):
+                    scratch, used = self._scratch_for(chunk), {}
+                    for lp in chunk:
+                        g = lp.param.grad
+                        if g is not None and flat:
+                            g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
+                        if lp.master is not None:
+                            # upcast into the chunk's slice of the reused fp32 scratch
+                            d, n = lp.tensor.device, lp.tensor.numel()
+                            at = used.get(d, 0)
+                            used[d] = at + n
+                            lp.master.set_grad(g, None if g is None else scratch[d][at : at + n])
+                        else:
+                            lp.tensor.grad = g
+                with record_function(PROFILE_LABELS["step"]):
+                    out = self.inner.step(**kwargs)
                 loss = out if loss is None else loss
-                for lp in chunk:
-                    if lp.master is not None and lp.tensor.grad is not None:
-                        lp.master.write_back()
-                    lp.tensor.grad = None
+                with record_function(PROFILE_LABELS["round"]):
+                    for lp in chunk:
+                        if lp.master is not None and lp.tensor.grad is not None:
+                            lp.master.write_back()
+                        lp.tensor.grad = None
                 if buffer_done is not None and i + 1 < len(chunks):
                     done_through(chunks[i + 1][0].piece.buffer)
             if buffer_done is not None:
