@@ -655,7 +655,7 @@ def main(argv=None) -> int:
     env = _common.environment(" ".join(["python -m benchmarks.e2e", *argv]))
     env["smoke"] = args.smoke
     if args.profile:
-        ranks = run_ranks(profile_rank, WORLD_SIZE, cfg, timeout=cfg["timeout_s"])
+        ranks = run_ranks(profile_rank, WORLD_SIZE, cfg, timeout=max(cfg["timeout_s"], 600))
         md = profile_markdown(ranks, cfg, env)
         (out / "profile.json").write_text(json.dumps({"env": env, "config": cfg, "ranks": ranks}, indent=2))
         (out / "profile.md").write_text(md)
