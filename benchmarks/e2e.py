@@ -186,6 +186,10 @@ def e2e_rank(rank: int, world_size: int, cfg: dict) -> dict:
     }
     phase("setup")
     try:
+        if cfg.get("trainer_only"):
+            out["trainer"] = _trainer_rank(rank, world_size, template, cfg)
+            phase("trainer")
+            return out
         # 1. DDP's own all-reduce, made visible through torch's allreduce_hook on an untimed
         #    instance: one iteration after DDP rebuilt its buckets.
         ddp, opt = build_contender(BASELINE, template, visible_all_reduce=True)
@@ -361,7 +365,7 @@ def _median(xs):
 
 def analyse(ranks: list[dict], cfg: dict, env: dict) -> dict:
     r0 = ranks[0]
-    names = list(CONTENDERS)
+    names = [] if cfg.get("trainer_only") else list(CONTENDERS)
     psi = r0["param_bytes"]
     ddp_model_bytes = 2 * psi * (WORLD_SIZE - 1) / WORLD_SIZE
     ddp_ar = [r["counted"]["ddp_all_reduce"] for r in ranks]
@@ -379,11 +383,11 @@ def analyse(ranks: list[dict], cfg: dict, env: dict) -> dict:
             "wire_bytes_per_rank": [o["wire_bytes"] + d["wire_bytes"] for o, d in zip(own, add)],
             "payload_bytes_per_rank": [o["payload_bytes"] + d["payload_bytes"] for o, d in zip(own, add)],
         }
-    ddp_wire = max(counted[BASELINE]["wire_bytes_per_rank"])
+    ddp_wire = max(counted[BASELINE]["wire_bytes_per_rank"]) if counted else None
     for c in counted.values():
         c["wire_over_ddp"] = max(c["wire_bytes_per_rank"]) / ddp_wire if ddp_wire else None
     tables = {}
-    for b in cfg["batches"]:
+    for b in cfg["batches"] if names else ():
         # A burst lasts as long as its slowest rank.
         per = {n: [max(ts) for ts in zip(*(r["burst_s"][b][n] for r in ranks))] for n in names}
         base = per[BASELINE]
@@ -494,7 +498,7 @@ def markdown(res: dict) -> str:
                                        f"| ms | rounds > 1.0" for b in cfg["batches"]) + " |",
         "|---|" + "---|---|---|---|" * len(cfg["batches"]),
     ]
-    for n in CONTENDERS:
+    for n in CONTENDERS if res["iteration"] else ():
         cells = []
         for b in cfg["batches"]:
             r = res["iteration"][str(b)][n]
@@ -528,6 +532,8 @@ def markdown(res: dict) -> str:
         "their comm hook, counted directly. hf_zero's all-reduces besides DDP's are its 24-byte layout agreement "
         "and, with reduce-scatter, the 4-byte finite-gradient flag.",
     ]
+    if not res["iteration"]:  # --trainer-only: the lines above describe nothing that ran
+        lines = lines[:3 if not env.get("smoke") else 4] + ["", "DDP rounds and bytes: not run (`--trainer-only`)."]
     t = res["trainer"]
     lines.append("")
     if not t.get("measured"):
@@ -629,6 +635,8 @@ def main(argv=None) -> int:
     parser.add_argument("--render", nargs="+", metavar="E2E_JSON", default=None,
                         help="run nothing: write the section from saved runs' e2e.json files (the last one in "
                              "full, then every run's medians side by side) to --docs (default docs/benchmarks.md)")
+    parser.add_argument("--trainer-only", action="store_true",
+                        help="run only the Trainer rows (no DDP rounds, no byte counts)")
     parser.add_argument("--profile", action="store_true",
                         help="run nothing else: profile the parts of the optimizer step (ms per iteration; "
                              "see profile_rank) and print a markdown table")
@@ -646,6 +654,7 @@ def main(argv=None) -> int:
         return 0
     cfg = copy.deepcopy(SMOKE if args.smoke else FULL)
     cfg["dtype"] = args.dtype
+    cfg["trainer_only"] = args.trainer_only
     if args.trainer_rounds is not None:
         if args.trainer_rounds < 1:
             parser.error(f"--trainer-rounds must be at least 1, got {args.trainer_rounds}")
