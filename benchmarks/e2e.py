@@ -368,7 +368,7 @@ def analyse(ranks: list[dict], cfg: dict, env: dict) -> dict:
     names = [] if cfg.get("trainer_only") else list(CONTENDERS)
     psi = r0["param_bytes"]
     ddp_model_bytes = 2 * psi * (WORLD_SIZE - 1) / WORLD_SIZE
-    ddp_ar = [r["counted"]["ddp_all_reduce"] for r in ranks]
+    ddp_ar = [r["counted"]["ddp_all_reduce"] for r in ranks] if names else []
     counted = {}
     for name in names:
         own = [r["counted"][name] for r in ranks]
