@@ -89,7 +89,7 @@ FULL = {
 }
 SMOKE = {**FULL, "model": dict(vocab_size=512, n_positions=16, n_embd=32, n_layer=2, n_head=2), "seq": 16,
          "batches": [1, 2], "rounds": 1, "trainer": {"batches": [2], "warmup": 4, "steps": 1, "rounds": 1},
-         "timeout_s": 100}
+         "timeout_s": 240}
 
 
 # -- one rank ------------------------------------------------------------------------------------------
