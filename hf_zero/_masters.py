@@ -99,9 +99,17 @@ class Master:
         if bool(stale.any()):  # changed outside the optimizer: the param's value wins
             self.tensor[stale] = self.view[stale].to(torch.float32)
 
-    def set_grad(self, grad: torch.Tensor | None) -> None:
-        """``grad``: the piece's 16-bit grad (any shape of the piece's numel), or None."""
-        self.tensor.grad = None if grad is None else grad.to(torch.float32).view(self.tensor.shape)
+    def set_grad(self, grad: torch.Tensor | None, scratch: torch.Tensor | None = None) -> None:
+        """``grad``: the piece's 16-bit grad (any shape of the piece's numel), or None. It is
+        upcast (exactly) into ``scratch``, fp32 of the piece's numel, reused from step to step
+        (a new tensor when None); the master's grad is then ``scratch``, viewed as the master."""
+        if grad is None:
+            self.tensor.grad = None
+            return
+        if scratch is None:
+            scratch = torch.empty(grad.numel(), dtype=torch.float32, device=self.tensor.device)
+        scratch.view(grad.shape).copy_(grad)
+        self.tensor.grad = scratch.view(self.tensor.shape)
 
     def write_back(self) -> None:
         """Round the stepped master into the 16-bit piece."""

@@ -33,6 +33,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 import torch
+from torch.profiler import record_function
 
 from ._comm import Comm
 from ._layout import Layout, Piece
@@ -41,6 +42,10 @@ from ._params import ParamTable
 from ._state import Holding, Holdings, Kind, kind_of, move, plan_moves, shape_as
 
 NOT_HYPER = ("params", "param_names")
+# torch.profiler labels of the step's parts (benchmarks/e2e.py --profile sums them): the
+# grads handed to the local optimizer (the masters' upcast), its step, the masters' round
+# into the 16-bit params, the sync's launches and its wait
+PROFILE_LABELS = {part: f"hf_zero.{part}" for part in ("grads", "step", "round", "sync", "sync_wait")}
 _GRAD_CHUNK_ELEMENTS = 1 << 23  # fp32 master grads alive at once in a step: 32 MiB
 
 
@@ -74,6 +79,7 @@ class Partition:
         self.ptrs = MappingProxyType(dict(ptrs))
         self.pieces = pieces
         self.inner = inner
+        self._grad_scratch: dict[torch.device, torch.Tensor] = {}  # masters' fp32 grads, reused each step
 
     @classmethod
     def build(cls, table: ParamTable, layout: Layout, held: Holdings, *, rank: int, optimizer_class: type,
@@ -135,6 +141,7 @@ class Partition:
         """End this partition's life (its state taken with :meth:`holdings`): drop its local
         optimizer and pieces and hand its buffers over, keeping no reference to either."""
         buffers, self.buffers, self.pieces, self.inner = self.buffers, (), (), None
+        self._grad_scratch = {}
         return buffers
 
     def emptied(self) -> "Partition":
@@ -197,12 +204,14 @@ class Partition:
         plans, pending = self.layout.buffers, []
 
         def launch(b: int) -> None:
-            pending.append(comm.sync_buffer(self.buffers[b], plans[b].bounds, async_op=True))
+            with record_function(PROFILE_LABELS["sync"]):
+                pending.append(comm.sync_buffer(self.buffers[b], plans[b].bounds, async_op=True))
 
         loss = self.step(param_groups, kwargs, buffer_done=launch, grad_of=grad_of)
-        for p in pending:
-            if p is not None:
-                p.wait()
+        with record_function(PROFILE_LABELS["sync_wait"]):
+            for p in pending:
+                if p is not None:
+                    p.wait()
         return loss
 
     def step(self, param_groups: list[dict], kwargs: dict, buffer_done=None, grad_of=None) -> Any:
@@ -226,20 +235,28 @@ class Partition:
         try:
             chunks = self._step_chunks(kwargs, by_buffer=buffer_done is not None)
             for i, chunk in enumerate(chunks):
-                for lp in chunk:
-                    g = lp.param.grad if grad_of is None else _shaped(grad_of(lp.piece), lp.view)
-                    if g is not None and flat and grad_of is None:
-                        g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
-                    if lp.master is not None:
-                        lp.master.set_grad(g)
-                    else:
-                        lp.tensor.grad = g
-                out = self.inner.step(**kwargs)
+                with record_function(PROFILE_LABELS["grads"]):
+                    scratch, used = self._scratch_for(chunk), {}
+                    for lp in chunk:
+                        g = lp.param.grad if grad_of is None else _shaped(grad_of(lp.piece), lp.view)
+                        if g is not None and flat and grad_of is None:
+                            g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
+                        if lp.master is not None:
+                            # upcast into the chunk's slice of the reused fp32 scratch
+                            d, n = lp.tensor.device, lp.tensor.numel()
+                            at = used.get(d, 0)
+                            used[d] = at + n
+                            lp.master.set_grad(g, None if g is None else scratch[d][at : at + n])
+                        else:
+                            lp.tensor.grad = g
+                with record_function(PROFILE_LABELS["step"]):
+                    out = self.inner.step(**kwargs)
                 loss = out if loss is None else loss
-                for lp in chunk:
-                    if lp.master is not None and lp.tensor.grad is not None:
-                        lp.master.write_back()
-                    lp.tensor.grad = None
+                with record_function(PROFILE_LABELS["round"]):
+                    for lp in chunk:
+                        if lp.master is not None and lp.tensor.grad is not None:
+                            lp.master.write_back()
+                        lp.tensor.grad = None
                 if buffer_done is not None and i + 1 < len(chunks):
                     done_through(chunks[i + 1][0].piece.buffer)
             if buffer_done is not None:
@@ -250,6 +267,25 @@ class Partition:
         for inner_group, group in zip(self.inner.param_groups, param_groups):
             group.update(hyperparams(inner_group))
         return loss
+
+    def _scratch_for(self, chunk: tuple[LocalPiece, ...]) -> dict[torch.device, torch.Tensor]:
+        """fp32 room, per device, for the master grads of ``chunk``: kept from step to step
+        (grown when a chunk needs more), so a step upcasts into it instead of allocating per
+        piece. A chunk above the chunk size (one piece that large, or an optimizer stepped
+        whole) gets room for this step only: the partition keeps at most a chunk's worth."""
+        need: dict[torch.device, int] = {}
+        for lp in chunk:
+            if lp.master is not None:
+                need[lp.tensor.device] = need.get(lp.tensor.device, 0) + lp.tensor.numel()
+        room = {}
+        for d, n in need.items():
+            buf = self._grad_scratch.get(d)
+            if buf is None or buf.numel() < n:
+                buf = torch.empty(n, dtype=torch.float32, device=d)
+                if n <= _GRAD_CHUNK_ELEMENTS:
+                    self._grad_scratch[d] = buf
+            room[d] = buf
+        return room
 
     def _step_chunks(self, kwargs: dict, *, by_buffer: bool = False) -> list[tuple[LocalPiece, ...]]:
         """The pieces in the groups the local optimizer steps one after the other.

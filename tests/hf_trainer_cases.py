@@ -148,14 +148,16 @@ class SaveOnEvaluate(TrainerCallback):
 
 
 def trainer_style_adamw(model, args) -> torch.optim.AdamW:
-    """The reference: torch AdamW with Trainer's decay groups over *all* params (frozen too)."""
+    """The reference: Trainer's default optimizer (``adamw_torch_fused``: torch AdamW, fused
+    kernel) with Trainer's decay groups over *all* params (frozen too)."""
     decay = set(Trainer.get_decay_parameter_names(None, model))
     named = list(model.named_parameters())
     groups = [
         {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                             fused=True)
 
 
 def run_trainer(

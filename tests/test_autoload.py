@@ -4,7 +4,7 @@ Every run here is a fresh subprocess, as a user would start it: an unmodified
 ``HfArgumentParser`` script under ``torchrun`` (command line and JSON args), the
 ``trl sft`` CLI (whose ``accelerate launch`` children parse again), and a process that
 unpickles a checkpoint's ``training_args.bin``. ``zero_bucket`` runs must equal the same
-command with ``adamw_torch`` bitwise (logged losses and final weights). Needs hf_zero
+command with ``adamw_torch_fused`` (Trainer's default) bitwise (logged losses and final weights). Needs hf_zero
 installed (``pip install -e .`` or ``pip install .``): the start-up hook is the
 ``hf_zero_autoload.pth`` file that install writes.
 """
@@ -156,11 +156,11 @@ def _assert_finished(result: _Result, what: str) -> None:
 
 
 def _assert_finished_or_stack_hang(result: _Result, optim: str, what: str) -> None:
-    """As :func:`_assert_finished`, except that the plain-torch control (``adamw_torch``) may
+    """As :func:`_assert_finished`, except that the plain-torch control (``adamw_torch_fused``) may
     hang at exit once its outputs are complete: torch's own deadlock ([Note: exit after a
     last gather] in hf_zero/integrations/transformers.py), reported; its outputs
     are still compared. hf_zero's runs get no such allowance."""
-    if optim == "adamw_torch" and result.rc is None and result.outputs_complete:
+    if optim == "adamw_torch_fused" and result.rc is None and result.outputs_complete:
         print(f"{what}: the plain-torch control hung at exit (torch's deadlock): reported, outputs compared")
         return
     _assert_finished(result, what)
@@ -205,9 +205,9 @@ def _grad_norms(output_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """Runs ``train_any.py`` on 2 gloo processes from the command line, with zero_bucket
-    and with adamw_torch, at the same time. Returns {optim: output dir}."""
+    and with adamw_torch_fused, at the same time. Returns {optim: output dir}."""
     root = tmp_path_factory.mktemp("train_any")
-    dirs = {optim: root / optim for optim in ("zero_bucket", "adamw_torch")}
+    dirs = {optim: root / optim for optim in ("zero_bucket", "adamw_torch_fused")}
     runs = {optim: _train_any(_cli({**TRAIN_ARGS, "output_dir": d, "optim": optim}), d, root)
             for optim, d in dirs.items()}
     for optim, result in _wait(runs, timeout=170).items():
@@ -216,8 +216,8 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.timeout(200)
-def test_unmodified_script_zero_bucket_trains_and_checkpoints_as_adamw_torch(trained):
-    zero, adamw = trained["zero_bucket"], trained["adamw_torch"]
+def test_unmodified_script_zero_bucket_trains_and_checkpoints_as_adamw_torch_fused(trained):
+    zero, adamw = trained["zero_bucket"], trained["adamw_torch_fused"]
     assert len(_losses(zero)) == TRAIN_ARGS["max_steps"]
     assert _losses(zero) == _losses(adamw)
     # hf_zero's gradient path sums the norm per owned shard (docs/gradient_path.md): equal to
@@ -338,7 +338,7 @@ def _printed_logs(out: str) -> list[str]:
 
 
 @pytest.mark.timeout(330)
-def test_trl_sft_cli_zero_bucket_equals_adamw_torch(tiny_lm, tmp_path):
+def test_trl_sft_cli_zero_bucket_equals_adamw_torch_fused(tiny_lm, tmp_path):
     """``trl sft`` parses in the parent, then ``accelerate launch`` starts 2 children that
     parse again: no process imports hf_zero. The zero_bucket run must exit 0. The plain
     torch control can hang at exit in torch itself ([Note: exit after a last gather] in
@@ -348,7 +348,7 @@ def test_trl_sft_cli_zero_bucket_equals_adamw_torch(tiny_lm, tmp_path):
     fails. The runs go one after the other; the printed logs are rounded, so the final
     weights carry the bitwise comparison."""
     logs = {}
-    for optim in ("zero_bucket", "adamw_torch"):
+    for optim in ("zero_bucket", "adamw_torch_fused"):
         cmd = [_console_script("trl"), "sft", "--model_name_or_path", str(tiny_lm / "model"), "--dataset_name",
                str(tiny_lm / "data"), "--output_dir", str(tmp_path / optim), "--optim", optim, "--max_steps", "4",
                "--per_device_train_batch_size", "2", "--logging_steps", "1", "--save_strategy", "no",
@@ -362,10 +362,10 @@ def test_trl_sft_cli_zero_bucket_equals_adamw_torch(tiny_lm, tmp_path):
         result = _wait({optim: run}, timeout=150)[optim]
         _assert_finished_or_stack_hang(result, optim, f"trl sft --optim {optim}")
         logs[optim] = result.out
-    assert "'zero_balance'" in logs["zero_bucket"] and "'zero_balance'" not in logs["adamw_torch"]
+    assert "'zero_balance'" in logs["zero_bucket"] and "'zero_balance'" not in logs["adamw_torch_fused"]
     assert len(_printed_logs(logs["zero_bucket"])) == 4
-    assert _printed_logs(logs["zero_bucket"]) == _printed_logs(logs["adamw_torch"])
-    _same_weights(tmp_path / "zero_bucket" / "model.safetensors", tmp_path / "adamw_torch" / "model.safetensors")
+    assert _printed_logs(logs["zero_bucket"]) == _printed_logs(logs["adamw_torch_fused"])
+    _same_weights(tmp_path / "zero_bucket" / "model.safetensors", tmp_path / "adamw_torch_fused" / "model.safetensors")
 
 
 # -- the start-up hook and its packaging -----------------------------------------------------

@@ -328,3 +328,35 @@ def test_overlapped_sync_runs_on_its_own_group():
     assert_replicas_identical([r["params"] for r in own])
     for a, b in zip(own, plain):
         assert_params_equal(a["params"], b["params"])
+
+
+# -- a bf16 model with fp32 masters syncs 16-bit bytes ----------------------------------------------------
+def _count_masters_sync(rank, world_size):
+    from hf_zero import ZeroBucketOptimizer
+
+    counter = CollectiveCounter()
+    model = build_model("mlp", torch.bfloat16)
+    opt = ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, fused=True, master_weights=True)
+    synced = []
+    for step in range(3):
+        model(*model.batch(step, 4)).backward()
+        with counter.recording():
+            opt.step()
+        opt.zero_grad()
+        synced.append([(name, payload) for name, payload, _ in counter.calls if name in SYNC_CALLS])
+    specs = [ParamSpec(p.numel(), p.dtype, str(p.device), p.requires_grad) for p in model.parameters()]
+    return {"synced": synced, "specs": specs, "master_bytes": opt.stats()["master_bytes_per_rank"]}
+
+
+@pytest.mark.timeout(120)
+def test_bf16_param_sync_with_masters_moves_16bit_bytes():
+    """The fp32 masters stay with their owner: what a step sends of a bf16 model is its
+    bf16 buffer (2 bytes per element plus alignment padding), not fp32 masters."""
+    per_rank = run_ranks(_count_masters_sync, 2, timeout=110)
+    n_buffers, buffer_bytes = _expected_sync(per_rank[0]["specs"], 2, "flat")
+    assert n_buffers == 1 and all(s.dtype == torch.bfloat16 for s in per_rank[0]["specs"])
+    assert min(per_rank[0]["master_bytes"]) > 0, "the premise: every rank steps fp32 masters"
+    for step in (1, 2):  # steady steps
+        sent = [sum(b for c, b in r["synced"][step] if c == "isend") for r in per_rank]
+        received = [sum(b for c, b in r["synced"][step] if c == "irecv") for r in per_rank]
+        assert sent[0] + sent[1] == buffer_bytes and received == sent[::-1], (step, sent, received)

@@ -126,6 +126,28 @@ def test_optim_args_pick_inner_optimizer_and_match_it(tmp_path, optim_args, inne
         torch.testing.assert_close(p, q, rtol=0, atol=1e-14, msg=n)
 
 
+def test_default_inner_is_fused_adamw_as_trainers_default(tmp_path):
+    """Without ``inner``, the local optimizer is torch's fused AdamW, as Trainer's default
+    ``optim="adamw_torch_fused"``; ``inner=adamw`` is the single-tensor one (``adamw_torch``)."""
+    opt = Trainer(model=tiny_bert(), args=_args(tmp_path, optim="zero_bucket")).create_optimizer()
+    assert opt.optimizer_class is torch.optim.AdamW and opt.defaults["fused"] is True
+    single = Trainer(model=tiny_bert(), args=_args(tmp_path, optim="zero_bucket", optim_args="inner=adamw"))
+    assert not single.create_optimizer().defaults["fused"]
+    assert hf_tr.parse_optim_args({})["fused"] is True
+
+
+def test_default_inner_falls_back_where_torch_has_no_fused_kernel(caplog):
+    """Params fused AdamW refuses (here: on the meta device): the default falls back to
+    ``adamw`` with a warning naming why; an explicit ``inner=adamw_fused`` raises."""
+    meta = [torch.zeros(3, device="meta")]
+    with caplog.at_level("WARNING", logger=hf_tr.__name__):
+        kwargs = hf_tr.parse_optim_args({}, meta)
+    assert "fused" not in kwargs and kwargs["optimizer_class"] is torch.optim.AdamW
+    assert "using inner=adamw" in caplog.text and "meta" in caplog.text
+    with pytest.raises(ValueError, match=r"inner='adamw_fused' is not available here: .*meta.*; use inner=adamw"):
+        hf_tr.parse_optim_args({"inner": "adamw_fused"}, meta)
+
+
 @pytest.mark.parametrize(
     "optim_args, message",
     [
@@ -186,13 +208,13 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
                              save_steps=3, optim_args="overlap=true")),
         # bf16's reference: torch AdamW on the same 2 ranks (the same bf16 autocast inputs per rank)
         ("run_trainer", dict(output_dir=str(tmp_path / "bf16_adamw"), bf16=True, max_steps=3, schedule=SCHEDULE,
-                             optim="adamw_torch", reference=True)),
+                             optim="adamw_torch_fused", reference=True)),
     ], timeout=560)
     one = run_ranks(run_many, 1, [
-        ("run_trainer", dict(output_dir=main1, optim="adamw_torch", reference=True, **MAIN)),
+        ("run_trainer", dict(output_dir=main1, optim="adamw_torch_fused", reference=True, **MAIN)),
         ("run_trainer", dict(output_dir=str(tmp_path / "resume1"), resume=ckpt, **MAIN)),
-        ("run_trainer", dict(output_dir=str(tmp_path / "plain1"), optim="adamw_torch", schedule=PLAIN_SCHEDULE)),
-        ("run_trainer", dict(output_dir=str(tmp_path / "overlap1"), optim="adamw_torch", user_callbacks=False,
+        ("run_trainer", dict(output_dir=str(tmp_path / "plain1"), optim="adamw_torch_fused", schedule=PLAIN_SCHEDULE)),
+        ("run_trainer", dict(output_dir=str(tmp_path / "overlap1"), optim="adamw_torch_fused", user_callbacks=False,
                              save_strategy="steps", save_steps=3)),
     ], timeout=300)
     (main, resumed2, steps, only_model, gc_error, gc_ok, bf16, plain, module, fp16, fp16_scattered, overlap,
@@ -207,9 +229,9 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
             _assert_params_close(run0[0], run1[0], 0.0, "rank 1 vs rank 0")
 
     # 2 ranks (ZeRO, grad accumulation, clipping, freezes inside and outside DDP) == 1 process AdamW.
-    _assert_params_close(main[0], reference[0], 1e-12, "zero_bucket 2 ranks vs adamw_torch 1 process")
-    # Nothing frozen at build: the reference is Trainer's own optim="adamw_torch".
-    _assert_params_close(plain[0], plain_reference[0], 1e-12, "zero_bucket 2 ranks vs Trainer adamw_torch")
+    _assert_params_close(main[0], reference[0], 1e-12, "zero_bucket 2 ranks vs adamw_torch_fused 1 process")
+    # Nothing frozen at build: the reference is Trainer's own default, optim="adamw_torch_fused".
+    _assert_params_close(plain[0], plain_reference[0], 1e-12, "zero_bucket 2 ranks vs Trainer adamw_torch_fused")
     moved = [n for n in initial if not torch.equal(initial[n].detach(), reference[0][n])]
     assert "bert.encoder.layer.1.output.dense.weight" in moved and "bert.embeddings.word_embeddings.weight" in moved
     # Unfrozen outside DDP's reducer and clipped: the grads were averaged before clipping.
@@ -272,7 +294,7 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     # bf16 autocast equals torch AdamW on the same ranks: params and grads stay float64 and
     # autocast rounds the same matmul inputs in both runs, so only the float64 sums of the
     # gradient average may differ in order (1e-12, as the float64 runs above); and it trained.
-    _assert_params_close(bf16[0], bf16_reference[0], 1e-12, "bf16: zero_bucket vs adamw_torch, 2 ranks")
+    _assert_params_close(bf16[0], bf16_reference[0], 1e-12, "bf16: zero_bucket vs adamw_torch_fused, 2 ranks")
     losses = [e["loss"] for e in bf16[1] if "loss" in e]
     want = [e["loss"] for e in bf16_reference[1] if "loss" in e]
     assert len(losses) == len(want) == 3
@@ -291,7 +313,7 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     for run in (main, plain, fp16, fp16_scattered):
         assert run[2]["grad_reduce"] == "reduce_scatter" and not run[2]["overlap"], run[2]
     assert overlap[2]["grad_reduce"] == "reduce_scatter" and overlap[2]["overlap"], overlap[2]
-    _assert_params_close(overlap[0], overlap_reference[0], 1e-12, "overlapped sync vs Trainer adamw_torch")
+    _assert_params_close(overlap[0], overlap_reference[0], 1e-12, "overlapped sync vs Trainer adamw_torch_fused")
     grad_norms = [e["grad_norm"] for e in overlap[1] if "grad_norm" in e]
     want_norms = [e["grad_norm"] for e in overlap_reference[1] if "grad_norm" in e]
     assert len(grad_norms) == len(want_norms) == 7
@@ -498,9 +520,9 @@ def _checkpoints(root):
 
 @pytest.mark.reliability("Trainer, 2 ranks: save_strategy='best' (the save is decided after evaluation) and a user callback "
                          "setting should_save in on_evaluate",
-                         "the same checkpoints, optimizer.pt state and logged losses as adamw_torch (1e-12)")
+                         "the same checkpoints, optimizer.pt state and logged losses as adamw_torch_fused (1e-12)")
 @pytest.mark.timeout(400)
-def test_saves_decided_after_evaluation_write_what_adamw_torch_writes(tmp_path):
+def test_saves_decided_after_evaluation_write_what_adamw_torch_fused_writes(tmp_path):
     runs = {
         "best": dict(evaluate=True, eval_strategy="steps", eval_steps=2, save_strategy="best",
                      metric_for_best_model="eval_loss"),
@@ -508,19 +530,19 @@ def test_saves_decided_after_evaluation_write_what_adamw_torch_writes(tmp_path):
     }
     table = [("run_trainer", dict(output_dir=str(tmp_path / f"{name}-{optim}"), optim=optim, user_callbacks=False,
                                   **kw))
-             for name, kw in runs.items() for optim in ("zero_bucket", "adamw_torch")]
+             for name, kw in runs.items() for optim in ("zero_bucket", "adamw_torch_fused")]
     rank0, rank1 = run_ranks(run_many, 2, table, timeout=380)
     for i, name in enumerate(runs):
         (zero, zero_log, _), (adamw, adamw_log, _) = rank0[2 * i], rank0[2 * i + 1]
         _assert_params_close(rank1[2 * i][0], zero, 0.0, f"{name}: rank 1 vs rank 0")
-        _assert_params_close(zero, adamw, 1e-12, f"{name}: zero_bucket vs adamw_torch")
+        _assert_params_close(zero, adamw, 1e-12, f"{name}: zero_bucket vs adamw_torch_fused")
         for key in ("loss", "eval_loss", "grad_norm"):
             got = [(e["step"], e[key]) for e in zero_log if key in e]
             want = [(e["step"], e[key]) for e in adamw_log if key in e]
             assert [s for s, _ in got] == [s for s, _ in want] and got, (name, key)
             torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]),
                                        rtol=1e-10, atol=0)
-        zero_dir, adamw_dir = tmp_path / f"{name}-zero_bucket", tmp_path / f"{name}-adamw_torch"
+        zero_dir, adamw_dir = tmp_path / f"{name}-zero_bucket", tmp_path / f"{name}-adamw_torch_fused"
         assert _checkpoints(zero_dir) == _checkpoints(adamw_dir) != []
         for ckpt in _checkpoints(adamw_dir):
             got = torch.load(zero_dir / ckpt / "optimizer.pt", weights_only=True)
@@ -533,7 +555,7 @@ def test_saves_decided_after_evaluation_write_what_adamw_torch_writes(tmp_path):
     # there (transformers >= 4.58; 4.57 does not).
     evaluated = [e["step"] for e in rank0[3][1] if "eval_loss" in e]
     assert evaluated[:2] == [3, 6]
-    assert _checkpoints(tmp_path / "callback-adamw_torch") == [f"checkpoint-{s}" for s in evaluated]
+    assert _checkpoints(tmp_path / "callback-adamw_torch_fused") == [f"checkpoint-{s}" for s in evaluated]
 
 
 def test_master_weights_option_is_parsed_and_passed_only_when_given():
@@ -558,14 +580,14 @@ def test_fp16_mixed_precision_on_float16_params_is_refused(tmp_path):
 
 @pytest.mark.reliability("Trainer, 2 ranks: where p.grad lives with optim='zero_bucket'",
                          "DDP built with gradient_as_bucket_view=True: the grads are views of DDP's buckets (held once); "
-                         "results equal adamw_torch (1e-12)")
+                         "results equal adamw_torch_fused (1e-12)")
 @pytest.mark.timeout(300)
 def test_trainer_grads_are_views_of_ddps_buckets(tmp_path):
     table = [("run_trainer", dict(output_dir=str(tmp_path / optim), optim=optim, grad_storages=True, max_steps=4))
-             for optim in ("zero_bucket", "adamw_torch")]
+             for optim in ("zero_bucket", "adamw_torch_fused")]
     rank0, rank1 = run_ranks(run_many, 2, table, timeout=280)
     (zero, zero_log, zero_info), (adamw, adamw_log, adamw_info) = rank0
-    _assert_params_close(zero, adamw, 1e-12, "zero_bucket vs adamw_torch")
+    _assert_params_close(zero, adamw, 1e-12, "zero_bucket vs adamw_torch_fused")
     _assert_params_close(rank1[0][0], zero, 0.0, "rank 1 vs rank 0")
     assert zero_info["ddp_grad_views"] is True and adamw_info["ddp_grad_views"] is False  # Trainer's own default
     n = len(list(tiny_bert().parameters()))

@@ -44,6 +44,10 @@ _INNER: dict[str, tuple[type, dict, bool, tuple[str, ...]]] = {
         ("scale_parameter", "relative_step", "warmup_init", "clip_threshold", "decay_rate", "beta1"),
     ),
 }
+# The default inner optimizer: Trainer's own default (``adamw_torch_fused`` on torch >= 2.8),
+# the fused AdamW kernel, wherever torch has one for the model's params.
+DEFAULT_INNER = "adamw_fused"
+_FALLBACK_INNER = "adamw"
 _COMMON_KEYS = ("inner", "shard", "bucket_view", "sharded_checkpoints", "grad_reduce", "overlap", "master_weights")
 _MASTER_WEIGHTS = {"auto": "auto", "true": True, "false": False}
 _GRAD_REDUCE = ("reduce_scatter", "all_reduce")
@@ -59,13 +63,17 @@ def _bool(key: str, value: str) -> bool:
         raise ValueError(f"optim_args: {key}={value!r} is not a boolean; use one of {sorted(_BOOL)}") from None
 
 
-def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
+def parse_optim_args(optim_args: dict[str, str], params=None) -> dict[str, Any]:
     """Turn Trainer's parsed ``optim_args`` into ZeroBucketOptimizer keyword arguments
     (besides the learning rate, betas, eps and weight decay, which come from the args).
 
     Keys (booleans are ``true``/``false``, ``1``/``0`` or ``yes``/``no``):
 
-    - ``inner``: one of :data:`_INNER` (default ``adamw``);
+    - ``inner``: one of :data:`_INNER`. Default ``adamw_fused``, torch's fused AdamW kernel
+      (as Trainer's default ``optim="adamw_torch_fused"``); where torch has no fused kernel
+      for ``params``' devices and dtypes (all params when None: checked on CPU float32),
+      ``adamw`` (single-tensor, as ``optim="adamw_torch"``), with a warning. An explicit
+      ``inner=adamw_fused`` that torch refuses raises;
     - ``shard``: ``auto`` (default), ``flat`` or ``param``;
     - ``bucket_view``: bool, default true (params become views of the flat buffers);
     - ``sharded_checkpoints``: bool, default false (read by :class:`ZeroBucketCallback`,
@@ -84,7 +92,7 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
 
     Unknown keys or values raise ``ValueError`` naming the key and listing the valid ones.
     """
-    inner = optim_args.get("inner", "adamw")
+    inner = optim_args.get("inner") or _default_inner(params)
     if inner not in _INNER:
         raise ValueError(f"optim_args: inner={inner!r} is not supported; choose one of {sorted(_INNER)}")
     cls, fixed, _, extra = _INNER[inner]
@@ -107,8 +115,10 @@ def parse_optim_args(optim_args: dict[str, str]) -> dict[str, Any]:
             f"optim_args: master_weights={optim_args['master_weights']!r} is not valid; choose one of "
             f"{list(_MASTER_WEIGHTS)}"
         )
-    if inner == "adamw_fused" and not _fused_available():
-        raise ValueError("optim_args: inner='adamw_fused' is not available with this torch build/device")
+    if "inner" in optim_args and inner == "adamw_fused":
+        refused = _fused_refusal(params)
+        if refused is not None:
+            raise ValueError(f"optim_args: inner='adamw_fused' is not available here: {refused}; use inner=adamw")
     out: dict[str, Any] = {
         "optimizer_class": cls,
         "shard": shard,
@@ -147,12 +157,29 @@ def sharded_checkpoints_requested(args) -> bool:
     return _bool("sharded_checkpoints", _parse_optim_args_string(args.optim_args).get("sharded_checkpoints", "false"))
 
 
-def _fused_available() -> bool:
-    try:
-        torch.optim.AdamW([torch.zeros(1)], fused=True)
-    except (RuntimeError, ValueError):
-        return False
-    return True
+def _fused_refusal(params=None) -> str | None:
+    """Why torch's fused AdamW refuses ``params``' (device, dtype) kinds (CPU float32 when
+    None), or None when it takes them."""
+    kinds = {(p.device, p.dtype) for p in params} if params is not None else {(torch.device("cpu"), torch.float32)}
+    try:  # torch checks devices and dtypes when a step first meets a param: one step of 1-element probes
+        probes = [torch.zeros(1, dtype=dt, device=dev, requires_grad=True) for dev, dt in sorted(kinds, key=str)]
+        for t in probes:
+            t.grad = torch.zeros_like(t)
+        torch.optim.AdamW(probes, fused=True).step()
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        return f"torch's fused AdamW refuses params on {sorted({f'{d}/{t}' for d, t in kinds})}: {e}"
+    return None
+
+
+def _default_inner(params=None) -> str:
+    """:data:`DEFAULT_INNER` where torch's fused AdamW takes ``params``, else the single-tensor one."""
+    refused = _fused_refusal(params)
+    if refused is None:
+        return DEFAULT_INNER
+    logger.warning("optim='%s': the default inner optimizer is %s (Trainer's adamw_torch_fused), but %s; "
+                   "using inner=%s (single-tensor AdamW, as adamw_torch). Pass --optim_args inner=%s to choose it "
+                   "explicitly.", OPTIM_NAME, DEFAULT_INNER, refused, _FALLBACK_INNER, _FALLBACK_INNER)
+    return _FALLBACK_INNER
 
 
 class ZeroBucketFactory:
@@ -190,12 +217,12 @@ class ZeroBucketFactory:
 
 
 def _handler(ctx) -> tuple[Any, dict[str, Any]]:
-    kwargs = parse_optim_args(ctx.optim_args)
+    kwargs = parse_optim_args(ctx.optim_args, None if ctx.model is None else list(ctx.model.parameters()))
     _check_engine(ctx.args)
     _check_fp16_params(ctx.args, ctx.model)
     _check_parallel(ctx.args)
     kwargs.update(ctx.optimizer_kwargs)  # lr
-    if _INNER[ctx.optim_args.get("inner", "adamw")][2]:
+    if _INNER[ctx.optim_args.get("inner", DEFAULT_INNER)][2]:  # the fallback uses them too
         kwargs.update(ctx.adam_kwargs)  # betas, eps
     kwargs["weight_decay"] = ctx.args.weight_decay
     return ZeroBucketFactory, kwargs
