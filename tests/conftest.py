@@ -27,11 +27,15 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "reliability(scenario, outcome): a row of docs/reliability.md")
+    config.addinivalue_line("markers", "fast: a quick test of a SLOW_MODULES module that stays in the fast subset")
 
 
 # -- the fast subset: python -m pytest tests -m "not slow" ----------------------------------
 # Modules that start multi-process Trainer / Accelerate runs, torchrun restarts, exit
-# counts, the soak run or the benchmarks. CI (.ci/run) runs everything.
+# counts, the soak run or the benchmarks. CI (.ci/run) runs everything. A test of one of
+# them marked ``@pytest.mark.fast`` stays in the fast subset: a quick representative of
+# its module (the fast subset keeps at least one masters, one checkpoint and one
+# gradient-path test; tests/test_fast_subset.py checks it).
 SLOW_MODULES = frozenset({
     "test_trainer", "test_accelerate", "test_autoload", "test_exit", "test_faults",
     "test_soak", "test_bench_smoke", "test_e2e_smoke",
@@ -46,7 +50,8 @@ SLOW_MODULES = frozenset({
 def pytest_collection_modifyitems(config, items):
     slow = pytest.mark.slow
     for item in items:
-        if item.module is not None and item.module.__name__.rpartition(".")[2] in SLOW_MODULES:
+        if item.get_closest_marker("fast") is None and item.module is not None \
+                and item.module.__name__.rpartition(".")[2] in SLOW_MODULES:
             item.add_marker(slow)
 
 
