@@ -27,11 +27,15 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "reliability(scenario, outcome): a row of docs/reliability.md")
+    config.addinivalue_line("markers", "fast: a quick test of a SLOW_MODULES module that stays in the fast subset")
 
 
 # -- the fast subset: python -m pytest tests -m "not slow" ----------------------------------
 # Modules that start multi-process Trainer / Accelerate runs, torchrun restarts, exit
-# counts, the soak run or the benchmarks. CI (.ci/run) runs everything.
+# counts, the soak run or the benchmarks. CI (.ci/run) runs everything. A test of one of
+# them marked ``@pytest.mark.fast`` stays in the fast subset: a quick representative of
+# its module (the fast subset keeps at least one masters, one checkpoint and one
+# gradient-path test; tests/test_fast_subset.py checks it).
 SLOW_MODULES = frozenset({
     "test_trainer", "test_accelerate", "test_autoload", "test_exit", "test_faults",
     "test_soak", "test_bench_smoke", "test_e2e_smoke",
@@ -39,14 +43,15 @@ SLOW_MODULES = frozenset({
     "test_masters", "test_checkpoint", "test_collectives", "test_drop_in", "test_freeze",
     "test_core_state_dict", "test_migration_property", "test_gradient_path", "test_plots",
     "test_agreement", "test_harness", "test_cli", "test_chunked_pieces", "test_consolidation_reuse",
-    "test_memory", "test_reduce_scatter",
+    "test_memory", "test_reduce_scatter", "test_bf16_models",
 })
 
 
 def pytest_collection_modifyitems(config, items):
     slow = pytest.mark.slow
     for item in items:
-        if item.module is not None and item.module.__name__.rpartition(".")[2] in SLOW_MODULES:
+        if item.get_closest_marker("fast") is None and item.module is not None \
+                and item.module.__name__.rpartition(".")[2] in SLOW_MODULES:
             item.add_marker(slow)
 
 

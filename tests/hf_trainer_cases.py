@@ -307,3 +307,155 @@ def run_counting_agreements(rank, world_size, **kwargs):
     finally:
         Comm.agree = agree
     return len(calls), max(e["step"] for e in log)
+
+
+# -- bf16 models (tests/test_bf16_models.py) --------------------------------------------------
+# The global batch of 6 splits as 2 ranks x 3, 3 ranks x 2, and 1 process x 3 x 2
+# accumulation steps; 24 examples make 4 steps an epoch.
+BF16_GLOBAL_BATCH = 6
+BF16_EXAMPLES = 24
+
+
+def tiny_llama() -> torch.nn.Module:
+    """A 2-layer Llama causal LM built from a config, its params in bfloat16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                         tie_word_embeddings=False)
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+class LMDataset(torch.utils.data.Dataset):
+    def __init__(self, n: int = BF16_EXAMPLES, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, 64, (n, SEQ), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": self.ids[i]}
+
+
+class Fp32MasterAdamW(torch.optim.AdamW):
+    """The fp32-master reference, unsharded: torch AdamW steps an fp32 copy of every param
+    on the param's grad cast to fp32, and each stepped param then takes its copy rounded to
+    nearest even (``copy_``); a param without a grad is skipped, as AdamW skips it. The
+    state dict carries the copies as ``"master_param"``, as hf_zero's does, so a Trainer
+    resumes it exactly; ``forget_masters=True`` loads without them (each restarts from its
+    param), a control."""
+
+    def __init__(self, groups, *, forget_masters=False, **hyper):
+        self.model_params = [p for g in groups for p in g["params"]]
+        self.forget_masters = forget_masters
+        super().__init__([{**g, "params": [p.detach().to(torch.float32, copy=True) for p in g["params"]]}
+                          for g in groups], **hyper)
+
+    def _pairs(self):
+        return zip(self.model_params, (m for g in self.param_groups for m in g["params"]))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p, m in self._pairs():
+            m.grad = None if p.grad is None else p.grad.to(torch.float32)
+        super().step()
+        for p, m in self._pairs():
+            if m.grad is not None:
+                p.copy_(m)
+                m.grad = None
+
+    def state_dict(self):
+        out = super().state_dict()
+        masters = [m for g in self.param_groups for m in g["params"]]
+        for i, st in out["state"].items():
+            st["master_param"] = masters[i].detach().clone()
+        return out
+
+    def load_state_dict(self, state_dict):
+        state = {i: dict(st) for i, st in state_dict["state"].items()}
+        saved = {i: st.pop("master_param") for i, st in state.items() if "master_param" in st}
+        super().load_state_dict({**state_dict, "state": state})
+        masters = [m for g in self.param_groups for m in g["params"]]
+        with torch.no_grad():
+            for i, m in saved.items():
+                masters[i].copy_(self.model_params[i] if self.forget_masters else m)
+
+
+def clip_grad_norm_float64_(params, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the norm summed in float64, then rounded to the
+    grads' dtype (hf_zero's clipping; torch's takes each grad's norm and the total in the
+    grads' dtype, for bf16 grads at times an ulp away)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.stack([g.double().pow(2).sum() for g in grads]).sum().sqrt().to(grads[0].dtype)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+class ReferenceTrainer(InOrderTrainer):
+    """Clips as hf_zero does (:func:`clip_grad_norm_float64_`)."""
+
+    def _clip_grad_norm(self, model):
+        return clip_grad_norm_float64_(model.parameters(), self.args.max_grad_norm)
+
+
+def trainer_style_groups(model, args) -> list:
+    """Trainer's decay / no-decay groups over *all* params (frozen ones too)."""
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+
+def run_bf16_trainer(rank, world_size, *, output_dir, reference=False, schedule=None, frozen_at_build=(),
+                     resume=None, evaluate=False, forget_masters=False, **overrides):
+    """One Trainer run of :func:`tiny_llama` (bf16 params) on the global batch of 6; returns
+    (final params, log_history, info) from this rank.
+
+    ``reference``: :class:`Fp32MasterAdamW` instead of ``optim="zero_bucket"`` (whose
+    ``master_weights`` stays at its default, "auto": fp32 masters). One process reads the
+    global batch in two accumulation steps of 3, as 2 ranks read it. ``resume``: a
+    checkpoint, or a directory whose latest checkpoint is resumed. ``info``: the state dict
+    of the final optimizer (rank 0; zero_bucket's consolidated) and the best checkpoint.
+    """
+    from transformers.trainer_utils import get_last_checkpoint
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
+    model = tiny_llama()
+    for name, p in model.named_parameters():
+        if name.startswith(tuple(frozen_at_build)):
+            p.requires_grad_(False)
+    if resume and not os.path.exists(os.path.join(resume, "trainer_state.json")):
+        resume = get_last_checkpoint(resume)
+    per_device = BF16_GLOBAL_BATCH // max(world_size, 2)
+    kwargs = dict(
+        output_dir=output_dir, per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=BF16_GLOBAL_BATCH // world_size // per_device,
+        max_steps=7, learning_rate=3e-3, weight_decay=0.1, warmup_steps=2, max_grad_norm=0.5,
+        optim="zero_bucket", **IN_ORDER, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+        disable_tqdm=True,
+    )
+    kwargs.update(overrides)
+    args = TrainingArguments(**kwargs)
+    optimizers = (None, None)
+    if reference:
+        optimizers = (Fp32MasterAdamW(trainer_style_groups(model, args), forget_masters=forget_masters,
+                                      lr=args.learning_rate,
+                                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon), None)
+    trainer = (ReferenceTrainer if reference else InOrderTrainer)(
+        model=model, args=args, train_dataset=LMDataset(),
+        eval_dataset=LMDataset(n=12, seed=1) if evaluate else None,
+        callbacks=[TrainabilitySchedule(schedule or {})], optimizers=optimizers,
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = trainer.optimizer.optimizer  # inside Accelerate's wrapper
+    if isinstance(optimizer, hf_zero.ZeroBucketOptimizer):
+        optimizer.consolidate_state_dict(to=0, device="cpu")
+    state = optimizer.state_dict() if rank == 0 else None
+    info = {"state": state, "best": trainer.state.best_model_checkpoint, "resumed_from": resume}
+    return params, trainer.state.log_history, info

@@ -258,6 +258,7 @@ def test_load_state_dict_of_another_model_or_optimizer_raises_and_changes_nothin
     assert_state_dicts_equal(opt.state_dict(), before)
 
 
+@pytest.mark.fast  # the fast subset's checkpoint test: a sharded save / load round trip
 def test_unnamed_params_match_by_position_and_shape(tmp_path):
     model, opt = _trained()
     opt.save_sharded(tmp_path / "ck")

@@ -160,8 +160,17 @@ def _reference(case: Case, world_size: int):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("name", CASES)
 def test_reduce_scatter_matches_reference(name, world_size):
-    case = CASES[name]
-    per_rank = run_case(_train, CASES, name, world_size, timeout=280)
+    _check(CASES[name], run_case(_train, CASES, name, world_size, timeout=280), world_size)
+
+
+@pytest.mark.fast  # the fast subset's gradient-path test: one case of the table, in a spawn of its own
+@pytest.mark.timeout(120)
+def test_reduce_scatter_with_a_late_unfreeze_and_clipping_matches_reference():
+    case = CASES["late-unfreeze-clipped"]
+    _check(case, run_ranks(_train, 2, case, timeout=100), 2)
+
+
+def _check(case: Case, per_rank: list, world_size: int) -> None:
     ref_params, ref_state, ref_norms = _reference(case, world_size)
     assert_replicas_identical([r["params"] for r in per_rank])
     assert_params_equal(per_rank[0]["params"], ref_params)

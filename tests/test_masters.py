@@ -427,6 +427,7 @@ def test_float32_params_unchanged_and_bf16_get_masters():
             _equal(state[i][MASTER].to(BF16), p.detach(), f"bf16 param {i}: rounded master")
 
 
+@pytest.mark.fast  # the fast subset's masters test
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("chunk", [None, 1], ids=["one-chunk", "piece-by-piece"])
 @pytest.mark.parametrize("dtype", [torch.float16, BF16])
