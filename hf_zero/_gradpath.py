@@ -21,7 +21,7 @@ import torch
 from . import _scatter_hook
 from ._comm import Comm
 from ._layout import Layout
-from ._overlap import ParamSyncOverlap
+from ._overlap import ParamSyncOverlap, Units
 
 GRAD_REDUCE = ("auto", "all_reduce", "reduce_scatter")
 
@@ -106,17 +106,19 @@ class GradientPath:
             self.overlap.drain()
 
     def bind(self, ddp, *, grad_reduce_default: str, overlap_default: bool, syncs_every_backward: bool,
-             grad_scaler: bool) -> None:
-        """The body of ``ZeroBucketOptimizer.bind_ddp`` (documented there)."""
+             grad_scaler: bool, units=None) -> None:
+        """The body of ``ZeroBucketOptimizer.bind_ddp`` (documented there; ``units``: its
+        ``overlap_units``)."""
         if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(f"bind_ddp needs a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
         if grad_reduce_default not in GRAD_REDUCE[1:]:
             raise ValueError(f"grad_reduce_default must be one of {GRAD_REDUCE[1:]}, got {grad_reduce_default!r}")
+        units = None if units is None else Units(ddp.module, units)  # [Note: overlapped parameter sync]
         overlap = self._overlap_choice if self._overlap_choice is not None else overlap_default
         if overlap and self.comm.world_size > 1:
             if self._bucket_view:
                 self.overlap = self.overlap or ParamSyncOverlap()
-                self.overlap.attach(ddp.module)
+                self.overlap.attach(ddp.module, units)
                 self.comm.own_sync_group()  # [Note: a group for the overlapped sync]
             else:
                 logger.warning("hf_zero: overlap_param_sync needs parameters_as_bucket_view=True; syncing in the step")
