@@ -20,7 +20,9 @@ units count as their outermost one. Every module's pre-hook waits for the root's
 and its unit's, so a module called on its own is covered too. Which params a unit holds is
 worked out again at every launch from the module tree as it is then: a module added or moved
 after binding (LoRA injection, a wrapper) is accounted for, and hooked, from the next step
-on; one that appears between a step and the next forward waits for the whole sync. Syncs
+on. Between a launch and the next one, registering a module or param anywhere (torch's
+global registration hooks) first waits for the whole sync, and so does the model's forward
+when its module tree differs from the launch's (a change that bypassed registration). Syncs
 are launched in the order they are needed: the root's buffers, then each unit's in the
 order the units are registered (a model's forward order for transformers' block lists;
 the same on every rank, as the collectives must be).
@@ -101,6 +103,7 @@ class ParamSyncOverlap:
         # next forward, the forward waits for every buffer.
         self._trees: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
         _LIVE.add(self)
+        _watch_registrations()
 
     def launch_order(self, order: list[int], buffer_of: dict[int, int]) -> list[int]:
         """Drain, then work out what each module's forward waits for from ``buffer_of``
@@ -222,6 +225,27 @@ def _walk(model: torch.nn.Module, units: Units | None) -> list[tuple[torch.nn.Mo
         out.append((m, unit))
         stack.extend((c, unit) for c in reversed(list(m.children())))
     return out
+
+
+_WATCHING: list = []
+
+
+def _watch_registrations() -> None:
+    """Once per process: a module or param registered anywhere (``setattr``, ``add_module``,
+    ``ModuleList.append``) while a sync is in flight first waits for the whole sync, as the
+    units' waits were worked out for the module tree of the launch."""
+    if _WATCHING:
+        return
+
+    def registering(module, name, value):
+        for overlap in list(_LIVE):
+            if overlap.pending:
+                overlap.drain()
+
+    from torch.nn.modules import module as nn_module
+
+    _WATCHING.append(nn_module.register_module_module_registration_hook(registering))
+    _WATCHING.append(nn_module.register_module_parameter_registration_hook(registering))
 
 
 def _same_tree(refs: tuple, tree: list) -> bool:
