@@ -7,7 +7,8 @@ calling ``out_proj`` (inside its block); a tied head reads the embedding through
 at the root and runs it before the blocks. Each trains bitwise like the same run without
 overlap, in a plain DDP loop and under Trainer; at each block's forward the later blocks'
 syncs are still in flight, and nothing a forward reads is. A control shows a reader that
-does not wait sees the stale values the seam leaves."""
+does not wait sees the stale values the seam leaves. The launch order and the waits after a
+changed module tree are checked in one process with stand-in syncs."""
 
 import pytest
 import torch
@@ -352,3 +353,52 @@ def test_trainer_overlap_with_delayed_receives_equals_no_overlap_bitwise(tmp_pat
             assert all(stale == 0 for what, _, stale in got["record"] if what != "step"), (kind, got["record"])
             for g, w in zip(got["params"], want["params"]):
                 assert torch.equal(g, w), kind
+
+
+# -- the bookkeeping alone, in one process (stand-in syncs) ----------------------------------------
+class _Sync:
+    def __init__(self):
+        self.waited = False
+
+    def wait(self, timeout_s=None):
+        self.waited = True
+
+
+def _launched(units=("Block",)):
+    """An overlap over ``SeamLM("mha")`` with one stand-in sync per param (buffer = param
+    index); a probe pre-hook on the root records which buffers were waited for by then."""
+    from hf_zero._overlap import ParamSyncOverlap, Units
+
+    model = SeamLM("mha")
+    reader = Reader(model.blocks[-1].attn.out_proj)  # built before any sync is in flight
+    overlap = ParamSyncOverlap()
+    overlap.attach(model, Units(model, units))
+    params = list(model.parameters())
+    order = overlap.launch_order(list(range(len(params))), {id(p): i for i, p in enumerate(params)})
+    syncs = {b: _Sync() for b in order}
+    overlap.launch(syncs)
+    seen = []
+    model.register_forward_pre_hook(lambda m, a: seen.append({b for b, s in syncs.items() if s.waited}))
+    names = [n for n, _ in model.named_parameters()]
+    model.overlap = overlap  # held weakly by the hooks (the optimizer holds it in a run)
+    return model, reader, order, syncs, seen, names
+
+
+def test_launch_order_and_what_the_root_waits_for():
+    model, _, order, syncs, seen, names = _launched()
+    outside = [i for i, n in enumerate(names) if not n.startswith("blocks.")]
+    by_block = [[i for i, n in enumerate(names) if n.startswith(f"blocks.{k}.")] for k in range(BLOCKS)]
+    assert order == sorted(outside) + [i for block in by_block for i in block]
+    model(*_batch(0, 0))
+    assert seen == [set(outside)]  # the root: only what lies outside every block
+    assert all(s.waited for s in syncs.values())  # every block ran
+
+
+def test_a_registration_or_a_tree_changed_behind_torchs_back_waits_for_everything():
+    model, reader, _, syncs, _, _ = _launched()
+    model.extra = nn.Identity()  # a registration: waits for every sync at once
+    assert all(s.waited for s in syncs.values())
+    model, reader, _, syncs, seen, _ = _launched()
+    model._modules["late"] = reader  # no registration hook runs: the root's forward notices
+    model(*_batch(0, 0))
+    assert seen == [set(syncs)]
