@@ -336,6 +336,7 @@ def _trainer_runs(rank, world_size, output_dir):
     return out
 
 
+@pytest.mark.slow  # six Trainer runs on 2 ranks (tests/conftest.py: the fast subset leaves Trainer runs out)
 @pytest.mark.timeout(300)
 def test_trainer_overlap_with_delayed_receives_equals_no_overlap_bitwise(tmp_path):
     per_rank = run_ranks(_trainer_runs, 2, str(tmp_path), timeout=240)
