@@ -16,6 +16,7 @@ contender in its own DistributedDataParallel (``gradient_as_bucket_view=True``):
 ``hf_zero_reduce_scatter`` hf_zero's comm hook reduce-scatters into the owners,
                            blocking param sync in the step
 ``hf_zero_rs_overlap``     the same, param sync overlapped with the next forward
+                           (each GPT-2 block waits for its own params' sync)
 =========================  ====================================================
 
 Every contender but ``ddp_adamw`` steps with the fused AdamW kernel (hf_zero's default
@@ -128,7 +129,8 @@ def build_contender(name: str, template, *, visible_all_reduce: bool):
                                   grad_reduce=grad_reduce, overlap_param_sync=overlap)
     ddp = DDP(model, gradient_as_bucket_view=True)
     if family == "hf_zero":
-        opt.bind_ddp(ddp)
+        # The overlapped sync waits per GPT-2 block, as Trainer's would (_no_split_modules).
+        opt.bind_ddp(ddp, overlap_units=["GPT2Block"] if overlap else None)
         if opt.grad_reduce != grad_reduce:
             raise RuntimeError(f"{name}: bind_ddp fell back to grad_reduce={opt.grad_reduce!r}")
     if visible_all_reduce and grad_reduce != "reduce_scatter":

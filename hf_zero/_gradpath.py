@@ -21,7 +21,7 @@ import torch
 from . import _scatter_hook, _stage2
 from ._comm import Comm
 from ._layout import Layout
-from ._overlap import ParamSyncOverlap
+from ._overlap import ParamSyncOverlap, Units
 
 GRAD_REDUCE = ("auto", "all_reduce", "reduce_scatter")
 
@@ -141,12 +141,13 @@ class GradientPath:
         self.stage2.bind(module, cap_bytes=int(bucket_cap_mb * (1 << 20)), broadcast_buffers=broadcast_buffers)
         self._attach_overlap(module, overlap_default)
 
-    def _attach_overlap(self, module: torch.nn.Module, overlap_default: bool) -> None:
+    def _attach_overlap(self, module: torch.nn.Module, overlap_default: bool, units=None) -> None:
+        units = None if units is None else Units(module, units)  # [Note: overlapped parameter sync]
         overlap = self._overlap_choice if self._overlap_choice is not None else overlap_default
         if overlap and self.comm.world_size > 1:
             if self._bucket_view:
                 self.overlap = self.overlap or ParamSyncOverlap()
-                self.overlap.attach(module)
+                self.overlap.attach(module, units)
                 self.comm.own_sync_group()  # [Note: a group for the overlapped sync]
             else:
                 logger.warning("hf_zero: overlap_param_sync needs parameters_as_bucket_view=True; syncing in the step")
@@ -156,8 +157,9 @@ class GradientPath:
             self.overlap.drain()
 
     def bind(self, ddp, *, grad_reduce_default: str, overlap_default: bool, syncs_every_backward: bool,
-             grad_scaler: bool) -> None:
-        """The body of ``ZeroBucketOptimizer.bind_ddp`` (documented there)."""
+             grad_scaler: bool, units=None) -> None:
+        """The body of ``ZeroBucketOptimizer.bind_ddp`` (documented there; ``units``: its
+        ``overlap_units``)."""
         if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(f"bind_ddp needs a torch.nn.parallel.DistributedDataParallel, got {type(ddp).__name__}")
         if grad_reduce_default not in GRAD_REDUCE[1:]:
@@ -167,7 +169,7 @@ class GradientPath:
                 "stage=2 takes gradient synchronisation over from DistributedDataParallel: do not wrap the "
                 "model in DDP; call optimizer.bind_module(model) on the unwrapped model instead of bind_ddp"
             )
-        self._attach_overlap(ddp.module, overlap_default)
+        self._attach_overlap(ddp.module, overlap_default, units)
         if self.grad_reduce == "auto":
             self.grad_reduce = grad_reduce_default
         if self.grad_reduce == "reduce_scatter" and self.reducer is None and self.comm.world_size > 1:

@@ -304,18 +304,17 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- DDP and the gradient path ------------------------------------------------------
     def bind_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel, *, grad_reduce_default: str = "all_reduce",
-                 overlap_default: bool = False, syncs_every_backward: bool = False, grad_scaler: bool = True) -> None:
-        """Tell the optimizer about the DDP wrapping its params: on every rank, right after
-        building DDP, before its first backward (the integrations do). Idempotent.
-
-        Records the params DDP reduces; registers the reduce-scatter comm hook and the
-        overlap's forward hooks as chosen (docs/gradient_path.md). The defaults resolve
-        ``"auto"`` / ``None``; ``syncs_every_backward`` (accumulation syncing every
-        micro-batch) keeps DDP's all-reduce; ``grad_scaler=False`` (nothing skips steps on
-        inf/NaN grads) leaves out the per-backward non-finite agreement.
-        """
+                 overlap_default: bool = False, syncs_every_backward: bool = False, grad_scaler: bool = True,
+                 overlap_units: Iterable | None = None) -> None:
+        """Tell the optimizer about the DDP wrapping its params: on every rank, right after building
+        DDP, before its first backward (the integrations do). Idempotent. Records the params DDP
+        reduces; registers the reduce-scatter comm hook and the overlap's forward hooks as chosen
+        (docs/gradient_path.md). The defaults resolve ``"auto"`` / ``None``; ``syncs_every_backward``
+        (accumulation syncing every micro-batch) keeps DDP's all-reduce; ``grad_scaler=False`` (nothing
+        skips steps on inf/NaN grads) leaves out the per-backward non-finite agreement; ``overlap_units``
+        (blocks: modules, classes or class names) wait only for their own params' sync."""
         self._grad.bind(ddp, grad_reduce_default=grad_reduce_default, overlap_default=overlap_default,
-                        syncs_every_backward=syncs_every_backward, grad_scaler=grad_scaler)
+                        syncs_every_backward=syncs_every_backward, grad_scaler=grad_scaler, units=overlap_units)
         self.mark_ddp_reduced()
 
     def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True):

@@ -311,21 +311,20 @@ class Partition:
 
     def sync(self, comm: Comm, params: tuple[torch.Tensor, ...], overlap) -> None:
         """Send this rank's ranges of every buffer to the other ranks. With ``overlap``
-        (a ParamSyncOverlap, bucket views only) the collectives are launched and each
-        module's forward waits for its own buffers."""
+        (a ParamSyncOverlap, bucket views only) the collectives are launched and the
+        model's forwards wait for them ([Note: overlapped parameter sync])."""
         if comm.world_size == 1:
             return
         plans = self.layout.buffers
         if overlap is not None and self.bucket_view:
             # In the order the next forward needs them (the params' order, which models
-            # register as they run), not DDP's backward order: the first layers wait least.
-            # The same order on every rank: it depends only on the agreed layout.
+            # register as they run, rearranged by the overlap's units), not DDP's backward
+            # order. The same order on every rank: it depends on the agreed layout and the
+            # model's module tree.
             first = [min((slot.index for slot in plan.slots), default=len(params)) for plan in plans]
-            pending = {
-                b: comm.sync_buffer(self.buffers[b], plans[b].bounds, async_op=True)
-                for b in sorted(range(len(plans)), key=lambda b: (first[b], b))
-            }
-            overlap.launch(pending, {id(params[i]): b for i, (b, _) in self.layout.slots().items()})
+            order = overlap.launch_order(sorted(range(len(plans)), key=lambda b: (first[b], b)),
+                                         {id(params[i]): b for i, (b, _) in self.layout.slots().items()})
+            overlap.launch({b: comm.sync_buffer(self.buffers[b], plans[b].bounds, async_op=True) for b in order})
             return
         for b, plan in enumerate(plans):
             buf = self.buffers[b]

@@ -25,6 +25,10 @@ class _Delayed:
     def done(self) -> bool:
         return self._private is None
 
+    def holds(self, param) -> bool:
+        """Whether ``param`` (a bucket view) lies in this sync's buffer."""
+        return param.untyped_storage().data_ptr() == self._buffer.untyped_storage().data_ptr()
+
 
 def delay_param_receives(comm) -> list:
     """Wrap ``comm.sync_buffer`` (async calls only) on this instance; returns the list of

@@ -358,3 +358,14 @@ def ddp_find_unused_parameters(args, model) -> bool:
     if version >= CHECKPOINTING_ARG_SINCE:
         return not (model.is_gradient_checkpointing or args.gradient_checkpointing)
     return not model.is_gradient_checkpointing
+
+
+def block_classes(model) -> list[str] | None:
+    """The class names in ``_no_split_modules`` (transformers' blocks kept whole on one
+    device, which Accelerate's FSDP wraps as units too) of any module of ``model`` that
+    occur in it: the overlapped sync's units. None when there are none."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    present = names & {type(module).__name__ for module in model.modules()}
+    return sorted(present) or None

@@ -175,11 +175,13 @@ def _wire(accelerator, prepared=None) -> bool:
         for ddp in list(wiring.ddps):
             if any(id(p) in ids for p in ddp.module.parameters()):
                 # Reduce-scatter by default (clipping is routed below); the overlapped sync
-                # stays opt-in, as a loop may read params anywhere (docs/gradient_path.md).
+                # stays opt-in, as a loop may read params anywhere (docs/gradient_path.md),
+                # and waits per transformer block when on.
                 opt.bind_ddp(
                     ddp, grad_reduce_default="reduce_scatter", overlap_default=False,
                     syncs_every_backward=_syncs_each_batch(accelerator),
                     grad_scaler=getattr(accelerator, "scaler", None) is not None,
+                    overlap_units=_compat.block_classes(ddp.module),
                 )
         for model in _compat.prepared_models(accelerator):
             if any(id(p) in ids for p in unwrap_ddp(model).parameters()):

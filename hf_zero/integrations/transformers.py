@@ -80,7 +80,8 @@ def parse_optim_args(optim_args: dict[str, str], params=None) -> dict[str, Any]:
       see :func:`sharded_checkpoints_requested`);
     - ``grad_reduce``: ``reduce_scatter`` (default) or ``all_reduce`` (DDP's own all-reduce);
     - ``overlap``: bool, default false (opt-in: the parameter sync overlaps what runs until
-      the next forward; limits in docs/gradient_path.md);
+      the next forward and, per block of the model's ``_no_split_modules``, the forward of
+      the blocks before; limits in docs/gradient_path.md);
     - ``master_weights``: ``auto``, ``true`` or ``false``: fp32 master weights for 16-bit
       params, passed to the optimizer only when given (its default applies otherwise);
     - the inner optimizer's own options: ``amsgrad`` (bool) for ``adamw*`` and ``adam``;
