@@ -444,7 +444,7 @@ def run_bf16_trainer(rank, world_size, *, output_dir, reference=False, schedule=
     optimizers = (None, None)
     if reference:
         optimizers = (Fp32MasterAdamW(trainer_style_groups(model, args), forget_masters=forget_masters,
-                                      lr=args.learning_rate,
+                                      lr=args.learning_rate, fused=True,  # as zero_bucket's default inner
                                       betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon), None)
     trainer = (ReferenceTrainer if reference else InOrderTrainer)(
         model=model, args=args, train_dataset=LMDataset(),
