@@ -89,12 +89,12 @@ def sharded_dir(path: str | os.PathLike) -> str:
     return path
 
 
-def write_plain_optimizer(path: str | os.PathLike, out: str | os.PathLike, *, chunk_bytes: int = _CHUNK_BYTES) -> int:
+def write_plain_optimizer(path: str | os.PathLike, out: str | os.PathLike, *, chunk_bytes: int | None = None) -> int:
     """Write the sharded checkpoint in ``path`` as a plain PyTorch optimizer state dict file
     ``out`` (atomically), holding ``chunk_bytes`` of state at a time (see [Note: streamed
     optimizer.pt]); returns the number of params with state. ``torch.load(out,
     weights_only=True)`` equals :func:`consolidate_checkpoint` of ``path``."""
-    buf = bytearray(max(1, chunk_bytes))
+    buf = bytearray(max(1, chunk_bytes or _CHUNK_BYTES))
 
     def write(tmp: str) -> int:
         with Checkpoint(path) as ckpt, zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED, allowZip64=True) as z:

@@ -185,6 +185,10 @@ def write(comm: Comm, path: str | os.PathLike, held: Holdings, labels: list[str]
     errors = [e for e in comm.all_gather_object(err) if e]
     if errors:
         raise RuntimeError("hf_zero: save_sharded could not commit the checkpoint:\n  " + "\n  ".join(errors))
+    blind = [r for r, seen in enumerate(comm.all_gather_object(token_at(path) == token)) if not seen]
+    if blind:  # each rank wrote into a directory of its own: no rank can load this checkpoint
+        raise RuntimeError(f"hf_zero: ranks {blind} do not see the sharded optimizer checkpoint rank 0 committed in "
+                           f"{path!r}: all ranks must see one directory (a shared filesystem)")
     return token
 
 

@@ -228,10 +228,13 @@ def _find_unused(accelerator) -> bool:
 
 
 def _own_storage(state_dict: dict) -> None:
-    """Give every tensor that shares storage with a *different* tensor its own copy.
+    """Give every tensor that shares storage with a *different* tensor a storage object of
+    its own, over the same memory (``torch.from_dlpack``: no copy; savers that refuse or
+    copy shared storage, as safetensors and transformers' ``save_pretrained`` do, see
+    separate tensors).
 
     Exact aliases (tied weights: same data, shape and strides) stay aliases of one
-    copy, so Accelerate still drops the duplicates it is meant to drop.
+    tensor, so Accelerate still drops the duplicates it is meant to drop.
     """
     by_storage: dict[tuple, list[str]] = defaultdict(list)
     for name, t in state_dict.items():
@@ -245,8 +248,20 @@ def _own_storage(state_dict: dict) -> None:
             t = state_dict[name]
             key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
             if key not in copies:
-                copies[key] = t.detach().clone()
+                copies[key] = torch.from_dlpack(t.detach())
             state_dict[name] = copies[key]
+
+
+_ALIASED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def separate_views_in_state_dict(model: torch.nn.Module) -> None:
+    """Make ``model.state_dict()`` give bucket views storage objects of their own (see
+    :func:`_own_storage`; Trainer saves ``model.state_dict()`` with ``save_pretrained``,
+    which would otherwise clone every one of them: the whole model once more). Idempotent."""
+    if model not in _ALIASED:
+        model.register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: _own_storage(state_dict))
+        _ALIASED.add(model)
 
 
 def _owning_get_state_dict(accelerator, get_state_dict):
@@ -264,6 +279,29 @@ def _owning_get_state_dict(accelerator, get_state_dict):
     return owning
 
 
+def sees_one_directory(directory: str) -> bool:
+    """Whether every rank sees the files rank 0 writes in ``directory`` (a shared
+    filesystem). Collective (default process group): a marker file and two exchanges."""
+    import secrets
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    name = [f".hf_zero-shared-{secrets.token_hex(6)}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    marker = os.path.join(directory, name[0])
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        with open(marker, "w"):
+            pass
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, os.path.exists(marker))
+    if dist.get_rank() == 0:
+        os.remove(marker)
+    return all(seen)
+
+
 def _sharded_saves(wiring: _Wiring, opt: ZeroBucketOptimizer) -> bool:
     return opt.world_size > 1 if wiring.sharded_checkpoints is None else wiring.sharded_checkpoints
 
@@ -273,10 +311,14 @@ def _save_hook(accelerator):
         wiring = _WIRED[accelerator]
         for name, opt in _indexed(accelerator):
             path = os.path.join(output_dir, name)
-            if opt.world_size > 1 or _sharded_saves(wiring, opt):  # every rank writes its own: no gather
+            plain = not _sharded_saves(wiring, opt)
+            if opt.world_size > 1 and plain and not sees_one_directory(output_dir):
+                opt.consolidate_state_dict(to=0, device="cpu")  # no shared directory: gathered, as before
+                continue
+            if opt.world_size > 1 or not plain:  # every rank writes its own: no gather
                 opt.save_sharded(path)
                 opt.refer_to_sharded(path)
-                if not _sharded_saves(wiring, opt):  # optimizer.bin, optimizer_1.bin, ... as Accelerate names them
+                if plain:  # optimizer.bin, optimizer_1.bin, ... as Accelerate names them
                     wiring.plain_due.append((path, os.path.join(output_dir, f"optimizer{name[len('hf_zero_optimizer'):]}.bin")))
                 continue
             if accelerator.is_main_process and os.path.isdir(path):

@@ -25,7 +25,7 @@ from .._optimizer import ZeroBucketOptimizer
 from . import OPTIM_MEMBER, OPTIM_NAME, _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
 from ._refusals import refusal, unsupported
-from .accelerate import ours
+from .accelerate import ours, sees_one_directory, separate_views_in_state_dict
 
 logger = logging.getLogger(__name__)
 _WORKER_GRACE_S = 0.05  # [Note: exit after a last gather]
@@ -389,6 +389,7 @@ class ZeroBucketCallback(TrainerCallback):
         from accelerate.state import GradientState
 
         attach_grad_averaging(model, opt, syncing=lambda: GradientState().sync_gradients)
+        separate_views_in_state_dict(model)  # saved without a copy of the model
         guard_frozen_under_ddp(model, opt, find_unused_parameters=_compat.ddp_find_unused_parameters(args, model), hint=_DDP_HINT)
         # Trainer loaded optimizer.pt before this event; a sharded reference is loaded
         # here, before any step (collective).
@@ -437,11 +438,15 @@ def _before_optimizer_save(trainer, output_dir: str) -> None:
     writes its own state here first (no gather), so a checkpoint whose optimizer.pt
     refers to it holds it; for a plain file, :func:`_after_optimizer_save` then streams
     it into optimizer.pt. One process without sharded saves: state_dict() is the state
-    itself (no copy)."""
+    itself (no copy). ``sharded_checkpoints=false`` where ranks do not share the output
+    directory (no shared filesystem): gathered on rank 0, in CPU memory, as before."""
     opt = ours(trainer.optimizer)
     if opt is None:
         return
-    if opt.world_size > 1 or _sharded_saves(opt, trainer.args):
+    plain = not _sharded_saves(opt, trainer.args)
+    if opt.world_size > 1 and plain and not sees_one_directory(output_dir):
+        opt.consolidate_state_dict(to=0, device="cpu")  # no shared directory: gathered on rank 0, as before
+    elif opt.world_size > 1 or not plain:
         path = os.path.join(output_dir, SHARDED_DIR)
         opt.save_sharded(path)
         opt.refer_to_sharded(path, step=trainer.state.global_step)
@@ -460,8 +465,8 @@ def _after_optimizer_save(trainer, output_dir: str) -> None:
     import torch.distributed as dist
 
     error = None
-    if trainer.args.should_save:
-        path = os.path.join(output_dir, SHARDED_DIR)
+    path = os.path.join(output_dir, SHARDED_DIR)
+    if trainer.args.should_save and _sharded.is_sharded_checkpoint(path):  # not after the gather above
         try:
             _offline.write_plain_optimizer(path, os.path.join(output_dir, _OPTIMIZER_FILE))
             shutil.rmtree(path)
