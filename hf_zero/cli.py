@@ -25,9 +25,8 @@ def _consolidate(args) -> int:
         return 0
     if not args.output:
         raise ValueError("output: name the state dict file to write (or --weights FILE.safetensors)")
-    state_dict = _offline.consolidate_checkpoint(args.checkpoint)
-    _offline.save_state_dict(state_dict, args.output)
-    print(f"wrote {args.output}: state of {len(state_dict['state'])} params in {len(state_dict['param_groups'])} param groups")
+    count = _offline.write_plain_optimizer(_offline.sharded_dir(args.checkpoint), args.output)  # 16 MiB at a time
+    print(f"wrote {args.output}: state of {count} params")
     return 0
 
 
