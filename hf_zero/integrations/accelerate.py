@@ -289,12 +289,12 @@ def sees_one_directory(directory: str) -> bool:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return True
     name = [f".hf_zero-shared-{secrets.token_hex(6)}" if dist.get_rank() == 0 else None]
+    if dist.get_rank() == 0:  # written before its name is sent: a rank that has the name can look
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, name[0]), "w"):
+            pass
     dist.broadcast_object_list(name, src=0)
     marker = os.path.join(directory, name[0])
-    if dist.get_rank() == 0:
-        os.makedirs(directory, exist_ok=True)
-        with open(marker, "w"):
-            pass
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, os.path.exists(marker))
     if dist.get_rank() == 0:
