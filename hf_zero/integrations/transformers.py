@@ -389,7 +389,8 @@ class ZeroBucketCallback(TrainerCallback):
         from accelerate.state import GradientState
 
         attach_grad_averaging(model, opt, syncing=lambda: GradientState().sync_gradients)
-        separate_views_in_state_dict(model)  # saved without a copy of the model
+        if model is not None:
+            separate_views_in_state_dict(model)  # saved without a copy of the model
         guard_frozen_under_ddp(model, opt, find_unused_parameters=_compat.ddp_find_unused_parameters(args, model), hint=_DDP_HINT)
         # Trainer loaded optimizer.pt before this event; a sharded reference is loaded
         # here, before any step (collective).
