@@ -18,6 +18,7 @@ docs/benchmarks.md between the memory markers; ``--render RESULTS.json`` only re
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -40,14 +41,23 @@ WORLD_SIZE = 2
 GPT2_124M = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)
 TINY_LM = dict(vocab_size=256, n_positions=64, n_embd=256, n_layer=6, n_head=4)
 SMOKE_LM = dict(vocab_size=256, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+SAVES = {"save_strategy": "steps", "save_steps": 3}  # a checkpoint every 3 steps, optimizer included
 # name -> (model dtype, optim, optim_args, TrainingArguments extras)
 MEMORY_ROWS = {
     "adamw_torch": ("float32", "adamw_torch", None, {}),
     "zero_bucket": ("float32", "zero_bucket", None, {}),
+    "zero_bucket_saves": ("float32", "zero_bucket", None, SAVES),
+    "zero_bucket_saves_plain": ("float32", "zero_bucket", "sharded_checkpoints=false", SAVES),
     "zero_bucket_no_unused": ("float32", "zero_bucket", None, {"ddp_find_unused_parameters": False}),
     "adamw_torch_bf16": ("bfloat16", "adamw_torch", None, {}),
     "zero_bucket_bf16": ("bfloat16", "zero_bucket", None, {}),
+    "zero_bucket_bf16_saves": ("bfloat16", "zero_bucket", None, SAVES),
+    "zero_bucket_bf16_saves_plain": ("bfloat16", "zero_bucket", "sharded_checkpoints=false", SAVES),
 }
+# a row with saves -> the same run without them (acceptance: every rank's peak at most 1.03x)
+WITHOUT_SAVES = {"zero_bucket_saves": "zero_bucket", "zero_bucket_saves_plain": "zero_bucket",
+                 "zero_bucket_bf16_saves": "zero_bucket_bf16", "zero_bucket_bf16_saves_plain": "zero_bucket_bf16"}
+SAVE_BOUND = 1.03
 PRECISION_ROWS = {
     "fp32_adamw_torch": ("float32", "adamw_torch", None, {}),
     "bf16_adamw_torch": ("bfloat16", "adamw_torch", None, {}),
@@ -107,7 +117,7 @@ def _permutation_data(spec: dict, n: int, seed: int):
 
 
 def _train(rank: int, row: tuple, *, spec: dict, steps: int, batch: int, lr: float, seed: int,
-           train_data, eval_data=None, logging_steps: int = 0) -> dict:
+           train_data, eval_data=None, logging_steps: int = 0, output_dir: str | None = None) -> dict:
     os.environ.setdefault("ACCELERATE_USE_CPU", "1")
     import transformers
     from transformers import PrinterCallback, Trainer, TrainingArguments
@@ -116,26 +126,34 @@ def _train(rank: int, row: tuple, *, spec: dict, steps: int, batch: int, lr: flo
 
     transformers.logging.set_verbosity_error()
     dtype, optim, optim_args, extra = row
+    gc.collect()  # an earlier run's objects in this process go first, not during this one
+    if os.path.exists("/proc/self/clear_refs"):  # the high-water mark of this run only
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    rss_before_model = _status_bytes("VmRSS")
     model = _model(spec, dtype)
     # The precision rows count the moved elements; a memory row must not hold a copy of the model.
     initial = None if eval_data is None else [p.detach().clone() for p in model.parameters()]
     params = sum(p.numel() for p in model.parameters())
-    with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
+    with tempfile.TemporaryDirectory() as scratch:
+        out = output_dir or scratch  # checkpoints: a directory every rank sees
+        kwargs = dict(
             output_dir=out, optim="adamw_torch" if optim == "reference" else optim, optim_args=optim_args,
             learning_rate=lr, lr_scheduler_type="constant", per_device_train_batch_size=batch,
             per_device_eval_batch_size=batch, max_steps=steps, use_cpu=True, bf16=dtype == "bfloat16" or eval_data is not None,
             report_to=[], save_strategy="no", logging_strategy="steps" if logging_steps else "no",
             logging_steps=logging_steps or 500, disable_tqdm=True, dataloader_num_workers=0, seed=seed,
-            max_grad_norm=1.0, **extra,
+            max_grad_norm=1.0,
         )
+        args = TrainingArguments(**{**kwargs, **extra})
         opts = (MasterAdamW(model.parameters(), lr), None) if optim == "reference" else (None, None)
         trainer = Trainer(model=model, args=args, train_dataset=train_data, optimizers=opts)
         trainer.remove_callback(PrinterCallback)
         rss_before = _status_bytes("VmRSS")
         trainer.train()
         out_row = {"params": params, "peak_bytes": _status_bytes("VmHWM"), "rss_before_train_bytes": rss_before,
-                   "optim_args": optim_args}
+                   "rss_before_model_bytes": rss_before_model, "optim_args": optim_args,
+                   "checkpoints": sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))}
         if eval_data is not None:
             out_row["eval_loss"] = trainer.evaluate(eval_data)["eval_loss"]
             out_row["train_loss"] = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
@@ -150,7 +168,8 @@ def _memory_rank(rank: int, world_size: int, names: list[str], cfg: dict) -> dic
     spec = cfg["memory_model"]
     toks = torch.randint(0, spec["vocab_size"], (world_size * (cfg["steps"] + 1), cfg["seq"]), generator=g)
     data = [{"input_ids": t, "labels": t} for t in toks]
-    return {n: _train(rank, MEMORY_ROWS[n], spec=spec, steps=cfg["steps"], batch=1, lr=1e-5, seed=0, train_data=data)
+    return {n: _train(rank, MEMORY_ROWS[n], spec=spec, steps=cfg["steps"], batch=1, lr=1e-5, seed=0, train_data=data,
+                      output_dir=os.path.join(cfg["out_root"], n) if cfg.get("out_root") else None)
             for n in names}
 
 
@@ -192,9 +211,16 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
         mem[name] = {"params": params, "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
                      "bytes_per_param": max(r["peak_bytes"] for r in per_rank) / params,
                      "breakdown": breakdown(name, WORLD_SIZE)}
+        mem[name]["above_baseline_per_rank"] = [r["peak_bytes"] - r["rss_before_model_bytes"] for r in per_rank]
+        mem[name]["checkpoints"] = per_rank[0]["checkpoints"]
     base = mem.get("adamw_torch", {}).get("bytes_per_param")
-    for m in mem.values():
+    for name, m in mem.items():
         m["vs_adamw_torch"] = m["bytes_per_param"] / base if base else None
+        without = mem.get(WITHOUT_SAVES.get(name))
+        if without is not None:  # per rank: peak / the same run's peak without saves (absolute; above the baseline)
+            m["vs_no_saves_per_rank"] = [a / b for a, b in zip(m["peak_bytes_per_rank"], without["peak_bytes_per_rank"])]
+            m["above_baseline_vs_no_saves_per_rank"] = [
+                a / b for a, b in zip(m["above_baseline_per_rank"], without["above_baseline_per_rank"])]
     prec = {}
     for key, per_rank in precision.items():
         name, seed = key.split("/")
@@ -217,13 +243,26 @@ def markdown(res: dict, figures: list[str]) -> str:
         lines += [f"Per-rank peak resident memory (VmHWM, `MALLOC_MMAP_THRESHOLD_=65536`), params included: "
                   f"GPT-2 {next(iter(res['memory'].values()))['params']:,} params, batch 1, seq {cfg['seq']}, "
                   f"{cfg['steps']} Trainer steps:", "",
-                  "| run | peak MiB (rank 0 / rank 1) | bytes / param | vs `adamw_torch` | analytic steady bytes / param |",
-                  "|---|---|---|---|---|"]
+                  "| run | peak MiB (rank 0 / rank 1) | bytes / param | vs `adamw_torch` | analytic steady bytes / param "
+                  "| peak vs the run without saves (rank 0 / rank 1; above the pre-model baseline) |",
+                  "|---|---|---|---|---|---|"]
         for name, m in res["memory"].items():
             vs = "-" if m["vs_adamw_torch"] is None else f"{m['vs_adamw_torch']:.2f}"
             peaks = " / ".join(f"{b / 2**20:.0f}" for b in m["peak_bytes_per_rank"])
-            lines.append(f"| `{name}` | {peaks} | {m['bytes_per_param']:.1f} | {vs} | {sum(m['breakdown'].values()):.1f} |")
+            saves = "-"
+            if "vs_no_saves_per_rank" in m:
+                saves = (" / ".join(f"{x:.3f}" for x in m["vs_no_saves_per_rank"]) + " ("
+                         + " / ".join(f"{x:.3f}" for x in m["above_baseline_vs_no_saves_per_rank"]) + ")")
+            lines.append(f"| `{name}` | {peaks} | {m['bytes_per_param']:.1f} | {vs} | "
+                         f"{sum(m['breakdown'].values()):.1f} | {saves} |")
         lines.append("")
+        saved = [n for n in res["memory"] if n in WITHOUT_SAVES]
+        if saved:
+            lines += [f"Rows ending `_saves` save a Trainer checkpoint every {SAVES['save_steps']} steps "
+                      f"({', '.join(res['memory'][saved[0]]['checkpoints'])}), optimizer included: by default each "
+                      "rank writes its own optimizer state (no gather); `_plain` rows pass `sharded_checkpoints=false`, "
+                      "so rank 0 also streams a plain `optimizer.pt`. Acceptance: every rank's peak at most "
+                      f"{SAVE_BOUND}x the same run's without saves.", ""]
     if res["precision"]:
         lines += [f"bf16 precision: tiny GPT-2 on the permutation task, `bf16=True`, lr {cfg['lr']}, "
                   f"{cfg['precision_steps']} steps, global batch 16, seeds {cfg['seeds']} (uniform loss 5.55):", "",
@@ -286,6 +325,9 @@ def _measure(mem_rows: list[str], prec_rows: list[str], cfg: dict, *, one_spawn:
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when each rank starts
     memory, precision = {}, {}
+    cfg = dict(cfg)
+    shared = tempfile.TemporaryDirectory()  # the ranks' common output directory (checkpoints)
+    cfg.setdefault("out_root", shared.name)
     try:
         # A high-water mark is per process: each memory row gets fresh ranks (all at once in a smoke run).
         for group in ([mem_rows] if one_spawn else [[r] for r in mem_rows]):
@@ -296,6 +338,7 @@ def _measure(mem_rows: list[str], prec_rows: list[str], cfg: dict, *, one_spawn:
             per_rank = run_ranks(_precision_rank, WORLD_SIZE, prec_rows, cfg, timeout=cfg["timeout_s"])
             precision = {k: [r[k] for r in per_rank] for k in per_rank[0]}
     finally:
+        shared.cleanup()
         if saved is None:
             os.environ.pop("MALLOC_MMAP_THRESHOLD_")
         else:

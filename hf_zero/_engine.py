@@ -1,14 +1,16 @@
 """The torch internals the core uses: running a callback when a backward pass ends, and
-a tensor's version counter.
+a tensor's version counter, and how ``torch.save`` pickles a tensor (for files written
+piece by piece).
 
-No public torch API does either; DDP and FSDP use the same autograd-engine call, and
+No public torch API does these; DDP and FSDP use the same autograd-engine call, and
 torch's own checkpointing and in-place checks read ``_version`` (tests/test_compat.py
-checks both are there).
+checks they are all there).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import collections
+from typing import Any, Callable
 
 import torch
 
@@ -43,3 +45,36 @@ def backward_reaches(param: torch.Tensor) -> bool:
     with torch.enable_grad():
         node = param.view_as(param).grad_fn.next_functions[0][0]
     return bool(will_execute(node))
+
+
+def saved_tensor_reduce(storage: Any, shape: tuple[int, ...]) -> tuple:
+    """What ``torch.save`` pickles for a contiguous CPU tensor at offset 0 of ``storage``
+    (``Tensor._reduce_ex_internal``): ``torch._utils._rebuild_tensor_v2(storage, 0, shape,
+    stride, requires_grad=False, backward_hooks)``, which ``torch.load(weights_only=True)``
+    accepts. ``storage`` is what the pickler's ``persistent_id`` replaces."""
+    rebuild = getattr(getattr(torch, "_utils", None), "_rebuild_tensor_v2", None)
+    if rebuild is None:
+        raise RuntimeError(
+            f"hf_zero: torch {torch.__version__} has no torch._utils._rebuild_tensor_v2, which hf_zero's "
+            "optimizer.pt writer relies on; please report this with your versions of hf_zero and torch"
+        )
+    stride = torch.empty(shape, device="meta").stride()
+    return rebuild, (storage, 0, tuple(shape), stride, False, collections.OrderedDict())
+
+
+# dtype -> the legacy storage class torch.save names in a storage's persistent id
+_STORAGE_CLASS = {
+    torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
+    torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
+    torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage", torch.bool: "BoolStorage",
+    torch.complex64: "ComplexFloatStorage", torch.complex128: "ComplexDoubleStorage",
+}
+
+
+def saved_storage_id(key: str, dtype: torch.dtype, numel: int) -> tuple:
+    """The persistent id ``torch.save`` gives a CPU storage of ``numel`` ``dtype`` elements
+    stored in record ``data/<key>``: ``("storage", storage class, key, "cpu", numel)``."""
+    name = _STORAGE_CLASS.get(dtype)
+    if name is None:
+        raise ValueError(f"hf_zero: cannot write {dtype} state into optimizer.pt")
+    return ("storage", getattr(torch, name), key, "cpu", numel)

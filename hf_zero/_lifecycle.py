@@ -138,8 +138,8 @@ class StateLifecycle:
         a :class:`ShardedState` handle (``consolidate`` is called on one rank, never a collective)."""
         ref = self._pending_ref
         if ref is None and self._sharded_ref is not None and self._consolidated is None:
-            token, info = self._sharded_ref
-            ref = info if token is self._token else None
+            token, info = self._sharded_ref  # a reference stands only while its checkpoint is there
+            ref = info if token is self._token and _sharded.token_at(info["path"]) == info["token"] else None
         if ref is not None:
             return _sharded.reference(ref)
         if world_size == 1:  # every time: the masters may have followed an edit of the params since

@@ -397,10 +397,11 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def consolidate_state_dict(self, to: int = 0, *, device: str | torch.device | None = None) -> None:
         """Gather the full optimizer state (masters too) on rank ``to`` for :meth:`state_dict`. Collective.
 
-        A bounded round at a time: rank ``to`` needs about the full state once, the others
-        their shard. ``device="cpu"`` gathers into CPU memory (default: each param's device).
-        Like ``torch.optim.Optimizer.state_dict()``, the result shares the tensors rank ``to``
-        holds whole with the live state: save or copy it before the next step.
+        Costs rank ``to`` the whole state (AdamW: 8 bytes per param, 12 with fp32 masters) on
+        ``device`` (default: each param's; ``"cpu"`` keeps it off accelerators), sent in 16 MiB
+        rounds: no rank holds more than its shard plus a round besides. Like torch's
+        ``state_dict()``, tensors rank ``to`` holds whole are shared with the live state. To
+        checkpoint without a gather: :meth:`save_sharded` (``hf-zero consolidate`` makes the file).
         """
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"to must be a rank in [0, {self._comm.world_size}), got {to}")

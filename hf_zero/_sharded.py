@@ -185,6 +185,10 @@ def write(comm: Comm, path: str | os.PathLike, held: Holdings, labels: list[str]
     errors = [e for e in comm.all_gather_object(err) if e]
     if errors:
         raise RuntimeError("hf_zero: save_sharded could not commit the checkpoint:\n  " + "\n  ".join(errors))
+    blind = [r for r, seen in enumerate(comm.all_gather_object(token_at(path) == token)) if not seen]
+    if blind:  # each rank wrote into a directory of its own: no rank can load this checkpoint
+        raise RuntimeError(f"hf_zero: ranks {blind} do not see the sharded optimizer checkpoint rank 0 committed in "
+                           f"{path!r}: all ranks must see one directory (a shared filesystem)")
     return token
 
 
@@ -261,6 +265,8 @@ class Checkpoint:
             ps.sort(key=lambda p: p.start)
         self._stack = contextlib.ExitStack()
         self._files: dict[str, Any] = {}
+        self._checked: set[str] = set()
+        self._headers: dict[str, tuple[int, dict]] = {}
 
     def __enter__(self):
         return self
@@ -272,22 +278,39 @@ class Checkpoint:
         name = self.params[j]["name"]
         return f"{name if name is not None else f'#{j}'} (shape {tuple(self.params[j]['shape'])})"
 
-    def _open(self, file: str):
-        if file not in self._files:
-            from safetensors import safe_open
-
+    def _verified(self, file: str) -> str:
+        """The path of ``file``, its SHA-256 checked against the record (once)."""
+        full = os.path.join(self.path, file)
+        if file not in self._checked:
             expected = self._sha256.get(file)
-            full = os.path.join(self.path, file)
             if expected is not None and file_sha256(full) != expected:
                 raise ValueError(
                     f"hf_zero: checkpoint file {full!r} does not match its commit record (SHA-256 differs): "
                     "it is corrupt or was changed after the save"
                 )
+            self._checked.add(file)
+        return full
 
-            self._files[file] = self._stack.enter_context(
-                safe_open(os.path.join(self.path, file), framework="pt", device="cpu")
-            )
+    def _open(self, file: str):
+        if file not in self._files:
+            from safetensors import safe_open
+
+            full = self._verified(file)
+            self._files[file] = self._stack.enter_context(safe_open(full, framework="pt", device="cpu"))
         return self._files[file]
+
+    def byte_range(self, file: str, tensor: str) -> tuple[str, int, int]:
+        """(path, offset, length) of the bytes of ``tensor`` in ``file`` (checked as a load
+        checks it), to read with plain file reads: a mapped file's pages count as the
+        reading process's resident memory until it is unmapped."""
+        full = self._verified(file)
+        if file not in self._headers:
+            with open(full, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[file] = (8 + size, json.loads(f.read(size)))
+        base, header = self._headers[file]
+        lo, hi = header[tensor]["data_offsets"]
+        return full, base + lo, hi - lo
 
     def _tensor(self, piece: _Piece, spec: dict, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         f = self._open(piece.file)
@@ -297,13 +320,12 @@ class Checkpoint:
             return f.get_slice(spec["tensor"])[lo:hi]
         return f.get_tensor(spec["tensor"]).reshape(-1)[lo:hi]
 
-    def read(self, j: int, start: int, stop: int, piece_shape: tuple[int, ...], keys=None) -> dict | None:
-        """State of elements ``start:stop`` of saved param ``j``, stepped as ``piece_shape``; None if it has none.
-        ``keys``: read only these state keys (those the param has)."""
+    def covering(self, j: int, start: int, stop: int) -> list[_Piece]:
+        """The saved pieces of param ``j`` holding elements ``start:stop``, in order (empty:
+        no state); raises when they leave a gap or disagree on the state keys."""
         pieces = self.pieces.get(j)
         if not pieces:
-            return None
-        numel = math.prod(self.params[j]["shape"])
+            return []
         over = [p for p in pieces if p.start < stop and p.stop > start]
         covered = sum(min(stop, p.stop) - max(start, p.start) for p in over)
         if covered != stop - start:
@@ -314,6 +336,15 @@ class Checkpoint:
         keys = set(over[0].state)
         if any(set(p.state) != keys for p in over):
             raise ValueError(f"hf_zero: the pieces of param {self.label(j)} in the checkpoint hold different state keys")
+        return over
+
+    def read(self, j: int, start: int, stop: int, piece_shape: tuple[int, ...], keys=None) -> dict | None:
+        """State of elements ``start:stop`` of saved param ``j``, stepped as ``piece_shape``; None if it has none.
+        ``keys``: read only these state keys (those the param has)."""
+        over = self.covering(j, start, stop)
+        if not over:
+            return None
+        numel = math.prod(self.params[j]["shape"])
         out: dict[str, Any] = {}
         for key, spec in over[0].state.items():
             if keys is not None and key not in keys:

@@ -172,7 +172,8 @@ def run_trainer(
     resume=None,
     overflow=None,
     explicit_callback=False,
-    sharded_checkpoints=False,
+    sharded_checkpoints=None,
+    global_batch=GLOBAL_BATCH,
     plain_module=False,
     user_callbacks=True,
     evaluate=False,
@@ -206,12 +207,12 @@ def run_trainer(
     if overrides.get("gradient_checkpointing") and TRANSFORMERS < (5, 0):
         overrides.setdefault("gradient_checkpointing_kwargs", {"use_reentrant": False})
     grad_acc = overrides.pop("gradient_accumulation_steps", 1)
-    per_device = GLOBAL_BATCH // world_size // grad_acc
+    per_device = global_batch // world_size // grad_acc
     if resume and BEFORE_5_2:
         # Trainer keeps the checkpoint's per-device batch size: same global batch through accumulation.
         with open(os.path.join(resume, "trainer_state.json")) as f:
             per_device = json.load(f)["train_batch_size"]
-        grad_acc = GLOBAL_BATCH // world_size // per_device
+        grad_acc = global_batch // world_size // per_device
     kwargs = dict(
         output_dir=output_dir,
         per_device_train_batch_size=per_device,
@@ -239,7 +240,7 @@ def run_trainer(
     args = TrainingArguments(**kwargs)
     optimizers = (trainer_style_adamw(model, args), None) if reference else (None, None)
     callbacks = [TrainabilitySchedule(schedule or {})] if user_callbacks else []
-    if explicit_callback or sharded_checkpoints:  # as well as the default one: must not act twice
+    if explicit_callback or sharded_checkpoints is not None:  # as well as the default one: must not act twice
         callbacks.insert(0, hf_zero.ZeroBucketCallback(sharded_checkpoints=sharded_checkpoints))
     if overflow:
         callbacks.append(OverflowOnRank1(*overflow))

@@ -2,8 +2,9 @@
 save_state/load_state with bucket views, and fp16 GradScaler overflow on every rank.
 
 The loops make no hf_zero call besides building the optimizer (the accelerator is wired
-when it prepares it, in either order with the model); the sharded-checkpoint test uses
-the explicit ``prepare_accelerator(..., sharded_checkpoints=True)``.
+when it prepares it, in either order with the model; ``save_state`` then writes each
+rank's optimizer state, no gather); the plain-file and explicitly sharded runs call
+``prepare_accelerator(..., sharded_checkpoints=False / True)``.
 """
 
 import os
@@ -55,7 +56,7 @@ def _accelerator(**kwargs):
     return Accelerator(cpu=True, kwargs_handlers=handlers, **kwargs)
 
 
-def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir, sharded_checkpoints=False):
+def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir, sharded_checkpoints=None):
     os.environ.update(LOCAL_RANK=str(rank), ACCELERATE_USE_CPU="1")
     accelerator = _accelerator(gradient_accumulation_steps=ACC_STEPS)
     model = _model()
@@ -67,8 +68,8 @@ def _accelerate_run(rank, world_size, *, build_before_prepare, save_dir, sharded
         model = accelerator.prepare(model)
         optimizer = hf_zero.ZeroBucketOptimizer(_groups(model.module), torch.optim.AdamW, lr=LR)
         optimizer, loader = accelerator.prepare(optimizer, loader)
-    if sharded_checkpoints:
-        hf_zero.prepare_accelerator(accelerator, sharded_checkpoints=True)
+    if sharded_checkpoints is not None:
+        hf_zero.prepare_accelerator(accelerator, sharded_checkpoints=sharded_checkpoints)
     # Otherwise no hf_zero call at all: preparing a ZeroBucketOptimizer wires the accelerator.
     batches = list(loader)
 
@@ -193,6 +194,19 @@ def test_accelerate_loop_equals_one_process_and_save_load_state_is_exact(tmp_pat
     final = load_file(str(tmp_path / "before" / "model" / "model.safetensors"))  # accelerator.save_model
     for n in reference:
         assert torch.equal(final[n], runs0[0]["final"][n]), n
+    # By default each rank saved its own optimizer state (optimizer.bin refers to it); with
+    # sharded_checkpoints=False optimizer.bin is the plain state dict, streamed from those files.
+    from hf_zero import _offline
+
+    assert os.path.getsize(tmp_path / "before" / "optimizer.bin") < 2000
+    sharded = _offline.consolidate_checkpoint(tmp_path / "before" / "hf_zero_optimizer")
+    assert not os.path.exists(tmp_path / "after" / "hf_zero_optimizer")
+    plain = torch.load(tmp_path / "after" / "optimizer.bin", weights_only=True)
+    assert plain["state"].keys() == sharded["state"].keys() and len(plain["state"]) == len(reference)
+    for i, st in sharded["state"].items():
+        assert plain["state"][i].keys() == st.keys()
+        for k, v in st.items():
+            torch.testing.assert_close(plain["state"][i][k], v, rtol=0, atol=1e-12)
 
 
 def _freeze_without_find_unused(rank, world_size):
@@ -217,7 +231,8 @@ def _freeze_without_find_unused(rank, world_size):
 def _accelerate_many(rank, world_size, root):
     return [
         _accelerate_run(rank, world_size, build_before_prepare=True, save_dir=os.path.join(root, "before")),
-        _accelerate_run(rank, world_size, build_before_prepare=False, save_dir=os.path.join(root, "after")),
+        _accelerate_run(rank, world_size, build_before_prepare=False, save_dir=os.path.join(root, "after"),
+                        sharded_checkpoints=False),
     ], _freeze_without_find_unused(rank, world_size)
 
 

@@ -379,3 +379,35 @@ def test_save_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
     assert sorted(os.listdir(directory)) == sorted(
         [ckpt.COMMIT_FILE] + [f["file"] for f in json.loads((directory / ckpt.COMMIT_FILE).read_text())["files"]]
     )
+
+
+# -- a plain optimizer.pt streamed from the sharded files -------------------------------------------
+@pytest.mark.reliability("A sharded checkpoint (AdamW, SGD, Adafactor, bf16 with fp32 masters) streamed into a plain "
+                         "optimizer.pt in 24-byte pieces, also through `hf-zero consolidate CHECKPOINT_DIR OUT.pt`",
+                         "torch.load(weights_only=True) equals the consolidated state dict key for key and loads "
+                         "into the plain torch optimizer")
+def test_plain_optimizer_file_streamed_from_shards_equals_the_consolidated_dict(tmp_path):
+    from hf_zero.cli import main
+
+    for kind, shard in (("adamw", "flat"), ("sgd", "flat"), ("adafactor", "param")):
+        model, opt = _trained(kind, steps=range(0, 3), shard=shard)
+        directory = tmp_path / kind / "hf_zero_optimizer"
+        opt.save_sharded(directory)
+        _offline.write_plain_optimizer(directory, tmp_path / f"{kind}.pt", chunk_bytes=24)
+        got = torch.load(tmp_path / f"{kind}.pt", weights_only=True)
+        assert_state_dicts_equal(got, opt.state_dict())
+        assert_state_dicts_equal(got, _offline.consolidate_checkpoint(directory))
+        cls, kw = checkpoint_optimizer_class(kind)
+        cls(CheckpointNet().named_parameters(), **kw).load_state_dict(got)
+        assert main(["consolidate", str(tmp_path / kind), str(tmp_path / f"{kind}-cli.pt")]) == 0  # the parent dir
+        assert_state_dicts_equal(torch.load(tmp_path / f"{kind}-cli.pt", weights_only=True), got)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)).to(torch.bfloat16)
+    opt = ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=1e-2)
+    model(torch.randn(2, 5, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    opt.save_sharded(tmp_path / "bf16")
+    _offline.write_plain_optimizer(tmp_path / "bf16", tmp_path / "bf16.pt", chunk_bytes=10)
+    got = torch.load(tmp_path / "bf16.pt", weights_only=True)
+    assert got["state"][0]["master_param"].dtype == torch.float32
+    assert_state_dicts_equal(got, opt.state_dict())

@@ -15,6 +15,7 @@ from transformers import HfArgumentParser, Trainer, TrainingArguments
 from transformers.training_args import OptimizerNames
 
 import hf_zero
+from hf_zero import _offline
 from hf_zero.integrations import transformers as hf_tr
 from tests._dist import run_ranks
 from tests.hf_trainer_cases import run_counting_agreements, run_many, run_trainer_catching, tiny_bert
@@ -184,8 +185,9 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     two = run_ranks(run_many, 2, [
         ("run_trainer", dict(output_dir=main2, **MAIN)),
         ("run_trainer", dict(output_dir=str(tmp_path / "resume2"), resume=ckpt, **MAIN)),
+        # An explicit callback asking for plain files: optimizer.pt streamed from the shards.
         ("run_trainer", dict(output_dir=str(tmp_path / "steps"), save_strategy="steps", save_steps=3, max_steps=4,
-                             explicit_callback=True)),
+                             sharded_checkpoints=False)),
         ("run_trainer", dict(output_dir=str(tmp_path / "only_model"), save_strategy="steps", save_steps=2,
                              max_steps=2, save_only_model=True)),
         ("run_trainer_catching", dict(output_dir=str(tmp_path / "gc_default"), schedule=SCHEDULE,
@@ -241,9 +243,11 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     torch.testing.assert_close(torch.tensor([g for _, g in grad_norms]), torch.tensor([g for _, g in want_norms]),
                                rtol=1e-10, atol=0)
 
-    # The epoch-end checkpoint's optimizer.pt (rank 0, consolidated before the save) is the
-    # reference's state dict.
-    saved = torch.load(f"{ckpt}/optimizer.pt", weights_only=True)
+    # The epoch-end checkpoint (each rank's state, optimizer.pt a reference; gathered
+    # nowhere) made into a plain file is the reference's state dict.
+    assert hf_tr.SHARDED_DIR in os.listdir(ckpt) and os.path.getsize(f"{ckpt}/optimizer.pt") < 2000
+    _offline.write_plain_optimizer(os.path.join(ckpt, hf_tr.SHARDED_DIR), str(tmp_path / "plain.pt"))
+    saved = torch.load(str(tmp_path / "plain.pt"), weights_only=True)
     want = torch.load(f"{main1}/checkpoint-4/optimizer.pt", weights_only=True)
     assert saved["state"].keys() == want["state"].keys() and len(saved["state"]) == len(initial)
     for i in want["state"]:
@@ -268,10 +272,8 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     # line at train begin and one for the first step's re-layout after DDP's buckets, none twice.
     assert [e["zero_rebuilds"] for e in steps[1] if "zero_rebuilds" in e and "loss" not in e] == [1, 2]
 
-    # Other save modes.
-    import os
-
-    assert os.path.exists(str(tmp_path / "steps" / "checkpoint-3" / "optimizer.pt"))
+    # Other save modes. sharded_checkpoints=False: a plain optimizer.pt, the shards removed.
+    assert os.listdir(tmp_path / "steps" / "checkpoint-3").count(hf_tr.SHARDED_DIR) == 0
     assert len(torch.load(str(tmp_path / "steps" / "checkpoint-3" / "optimizer.pt"), weights_only=True)["state"]) > 0
     assert os.path.exists(str(tmp_path / "only_model" / "checkpoint-2" / "model.safetensors"))
     assert not os.path.exists(str(tmp_path / "only_model" / "checkpoint-2" / "optimizer.pt"))
@@ -544,8 +546,8 @@ def test_saves_decided_after_evaluation_write_what_adamw_torch_fused_writes(tmp_
                                        rtol=1e-10, atol=0)
         zero_dir, adamw_dir = tmp_path / f"{name}-zero_bucket", tmp_path / f"{name}-adamw_torch_fused"
         assert _checkpoints(zero_dir) == _checkpoints(adamw_dir) != []
-        for ckpt in _checkpoints(adamw_dir):
-            got = torch.load(zero_dir / ckpt / "optimizer.pt", weights_only=True)
+        for ckpt in _checkpoints(adamw_dir):  # each rank's state in the checkpoint, gathered offline here
+            got = _offline.consolidate_checkpoint(zero_dir / ckpt / hf_tr.SHARDED_DIR)
             want = torch.load(adamw_dir / ckpt / "optimizer.pt", weights_only=True)
             assert got["state"].keys() == want["state"].keys() and len(want["state"]) == len(zero), ckpt
             for j in want["state"]:
@@ -599,14 +601,80 @@ def test_trainer_grads_are_views_of_ddps_buckets(tmp_path):
     torch.testing.assert_close(torch.tensor([e["loss"] for e in zero_log if "loss" in e]), torch.tensor(want), rtol=1e-10, atol=0)
 
 
-@pytest.mark.reliability("Trainer, 2 ranks as 2 nodes with save_on_each_node=True (both ranks write optimizer.pt)",
-                         "`ValueError` on both ranks at train begin naming save_on_each_node and sharded_checkpoints=true")
+@pytest.mark.reliability("Trainer, 2 ranks as 2 nodes with save_on_each_node=True (both ranks write optimizer.pt), "
+                         "with sharded_checkpoints=false; and with the default sharded checkpoints in a shared directory",
+                         "`ValueError` on both ranks at train begin naming save_on_each_node and sharded_checkpoints=true; "
+                         "the default saves each rank's state and both write the same reference")
 @pytest.mark.timeout(200)
 def test_save_on_each_node_over_nodes_is_refused_before_the_first_step(tmp_path):
-    errors = run_ranks(run_many, 2, [("run_trainer_catching", dict(
-        output_dir=str(tmp_path / "nodes"), save_on_each_node=True, one_process_per_node=True, save_strategy="steps",
-        save_steps=2, max_steps=2))], timeout=180)
-    for (error,) in errors:
+    runs = [("run_trainer_catching", dict(output_dir=str(tmp_path / name), save_on_each_node=True,
+                                          one_process_per_node=True, save_strategy="steps", save_steps=2, max_steps=2,
+                                          optim_args=optim_args))
+            for name, optim_args in (("nodes", "sharded_checkpoints=false"), ("shared", None))]
+    results = run_ranks(run_many, 2, runs, timeout=180)
+    for error, shared in results:
         assert error.startswith("ValueError: optim='zero_bucket': save_on_each_node=True makes ranks [0, 1]"), error
         assert "sharded_checkpoints=true" in error
+        assert shared == "no error"
     assert not os.path.exists(tmp_path / "nodes" / "checkpoint-2")
+    from hf_zero import _sharded
+
+    marker = torch.load(tmp_path / "shared" / "checkpoint-2" / "optimizer.pt", weights_only=True)
+    assert marker[_sharded.REFERENCE_KEY]["token"] == _sharded.token_at(tmp_path / "shared" / "checkpoint-2" / hf_tr.SHARDED_DIR)
+
+
+# -- the default checkpoints: resumed anywhere, by either optimizer ---------------------------------------
+# A global batch of 6 splits evenly over 1, 2 and 3 ranks and stays inside the first epoch.
+ANYWHERE = dict(global_batch=6, max_steps=3, save_strategy="steps", save_steps=2, user_callbacks=False)
+
+
+@pytest.mark.reliability("Trainer, default checkpoints saved on 2 ranks, resumed on 1, 2 and 3 ranks; switched to "
+                         "--optim adamw_torch on resume and from adamw_torch to zero_bucket; sharded_checkpoints=false",
+                         "every resumed run equals the uninterrupted one (1e-12); the plain optimizer.pt equals the "
+                         "sharded state bitwise, adamw_torch's key for key, and loads into torch AdamW")
+@pytest.mark.timeout(400)
+def test_default_checkpoints_resume_on_one_two_three_ranks_and_across_optimizers(tmp_path):
+    def at(name):
+        return str(tmp_path / name)
+
+    saved = at("zero") + "/checkpoint-2"
+    two = run_ranks(run_many, 2, [
+        ("run_trainer", dict(output_dir=at("zero"), **ANYWHERE)),
+        ("run_trainer", dict(output_dir=at("plain"), optim_args="sharded_checkpoints=false", **ANYWHERE)),
+        ("run_trainer", dict(output_dir=at("adamw"), optim="adamw_torch", **ANYWHERE)),
+        ("run_trainer", dict(output_dir=at("resume2"), resume=saved, **ANYWHERE)),
+        ("run_trainer", dict(output_dir=at("to_adamw"), optim="adamw_torch", resume=saved, **ANYWHERE)),
+        ("run_trainer", dict(output_dir=at("from_adamw"), resume=at("adamw") + "/checkpoint-2", **ANYWHERE)),
+        ("run_trainer", dict(output_dir=at("from_plain"), resume=at("plain") + "/checkpoint-2", **ANYWHERE)),
+    ], timeout=300)
+    (three,), *_ = run_ranks(run_many, 3, [("run_trainer", dict(output_dir=at("resume3"), resume=saved, **ANYWHERE))],
+                             timeout=150)
+    (one,), = run_ranks(run_many, 1, [("run_trainer", dict(output_dir=at("resume1"), resume=saved, **ANYWHERE))],
+                        timeout=100)
+    zero, plain, adamw, *resumed = two[0]
+    for run0, run1 in zip(two[0], two[1]):
+        _assert_params_close(run1[0], run0[0], 0.0, "rank 1 vs rank 0")
+    _assert_params_close(adamw[0], zero[0], 1e-12, "adamw_torch vs zero_bucket")
+    _assert_params_close(plain[0], zero[0], 0.0, "sharded_checkpoints=false vs the default")
+    for name, run in zip(("resume2", "to_adamw", "from_adamw", "from_plain", "resume3", "resume1"),
+                         [*resumed, three, one]):
+        _assert_params_close(run[0], zero[0], 1e-12, name)
+
+    # The default checkpoint holds each rank's state; the plain one a torch state dict and no shards.
+    assert hf_tr.SHARDED_DIR in os.listdir(saved) and os.path.getsize(os.path.join(saved, "optimizer.pt")) < 2000
+    assert hf_tr.SHARDED_DIR not in os.listdir(at("plain") + "/checkpoint-2")
+    got = torch.load(at("plain") + "/checkpoint-2/optimizer.pt", weights_only=True)
+    sharded = _offline.consolidate_checkpoint(os.path.join(saved, hf_tr.SHARDED_DIR))
+    from tests.models import assert_state_dicts_equal
+
+    assert_state_dicts_equal(got, sharded)
+    want = torch.load(at("adamw") + "/checkpoint-2/optimizer.pt", weights_only=True)
+    assert got["state"].keys() == want["state"].keys()
+    for i in want["state"]:
+        assert got["state"][i].keys() == want["state"][i].keys()
+        for k in want["state"][i]:
+            torch.testing.assert_close(got["state"][i][k], want["state"][i][k], rtol=0, atol=1e-12)
+    model = tiny_bert()
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    groups = [[p for n, p in model.named_parameters() if (n in decay) == d] for d in (True, False)]
+    torch.optim.AdamW([{"params": g} for g in groups]).load_state_dict(got)

@@ -113,10 +113,42 @@ def resumed_from(optimizer) -> str | None:
     return _RESUMED.get(optimizer)
 
 
+# [Note: serving a loaded state dict] Trainer loads a checkpoint's optimizer as
+# ``self.optimizer.load_state_dict(torch.load(checkpoint/optimizer.pt))`` inside
+# ``_load_optimizer_and_scheduler``; nothing between the read and the load is a hook.
+_SERVE: list[Callable[[Any, str, Any], Any]] = []
+
+
+def serve_loaded_optimizer_state(serve: Callable[[Any, str, Any], Any]) -> None:
+    """While a Trainer loads its optimizer from ``checkpoint``, pass the loaded state dict
+    through ``serve(trainer.optimizer, checkpoint, state_dict)`` (what it returns is
+    loaded). Replaces any earlier one; effective once :func:`watch_trainer` wrapped the class."""
+    _SERVE[:] = [serve]
+
+
+@contextlib.contextmanager
+def _serving(optimizer, checkpoint: str) -> Iterator[None]:
+    """``optimizer.load_state_dict`` passes its argument through the served function, for
+    the duration (an instance attribute, removed afterwards)."""
+    if not _SERVE or optimizer is None or "load_state_dict" in vars(optimizer):
+        yield
+        return
+    serve, load_state_dict = _SERVE[0], optimizer.load_state_dict
+
+    def served(state_dict, *args, **kwargs):
+        return load_state_dict(serve(optimizer, checkpoint, state_dict), *args, **kwargs)
+
+    optimizer.load_state_dict = served
+    try:
+        yield
+    finally:
+        del optimizer.load_state_dict
+
+
 def watch_trainer(trainer_class: type) -> None:
     """Wrap ``create_optimizer`` (to expose :func:`creating_trainer`) and
-    ``_load_optimizer_and_scheduler(checkpoint)`` (to record :func:`resumed_from`).
-    Idempotent."""
+    ``_load_optimizer_and_scheduler(checkpoint)`` (to record :func:`resumed_from` and
+    serve the loaded state dict, see :func:`serve_loaded_optimizer_state`). Idempotent."""
     create = _require(trainer_class, "create_optimizer", "transformers")
     if not getattr(create, _TRAINER_WRAPPED, False):
 
@@ -139,15 +171,19 @@ def watch_trainer(trainer_class: type) -> None:
                     break
                 _RESUMED[opt] = checkpoint
                 opt = getattr(opt, "optimizer", None)
-            return load(self, checkpoint, *args, **kwargs)
+            if not isinstance(checkpoint, str):
+                return load(self, checkpoint, *args, **kwargs)
+            with _serving(self.optimizer, checkpoint):
+                return load(self, checkpoint, *args, **kwargs)
 
         setattr(_load_optimizer_and_scheduler, _TRAINER_WRAPPED, True)
         trainer_class._load_optimizer_and_scheduler = _load_optimizer_and_scheduler
 
 
-def before_optimizer_save(trainer_class: type, before: Callable[[Any, str], None]) -> None:
+def before_optimizer_save(trainer_class: type, before: Callable[[Any, str], None],
+                          after: Callable[[Any, str], None] | None = None) -> None:
     """Call ``before(trainer, output_dir)`` on every rank right before ``trainer_class``
-    writes a checkpoint's optimizer state.
+    writes a checkpoint's optimizer state, and ``after(trainer, output_dir)`` right after.
 
     Trainer writes ``optimizer.pt`` in ``_save_optimizer_and_scheduler(output_dir)``
     (every supported version, 4.57.1 to 5.24), called by ``_save_checkpoint`` on every
@@ -162,7 +198,10 @@ def before_optimizer_save(trainer_class: type, before: Callable[[Any, str], None
     @functools.wraps(save)
     def _save_optimizer_and_scheduler(self, output_dir, *args, **kwargs):
         before(self, output_dir)
-        return save(self, output_dir, *args, **kwargs)
+        result = save(self, output_dir, *args, **kwargs)
+        if after is not None:
+            after(self, output_dir)
+        return result
 
     setattr(_save_optimizer_and_scheduler, _TRAINER_WRAPPED, True)
     trainer_class._save_optimizer_and_scheduler = _save_optimizer_and_scheduler

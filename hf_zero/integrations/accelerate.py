@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import _offline
 from .._optimizer import ZeroBucketOptimizer
 from . import _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
@@ -33,8 +34,10 @@ _DDP_HINT = (
 
 @dataclass
 class _Wiring:
-    sharded_checkpoints: bool = False
+    sharded_checkpoints: bool | None = None  # None: sharded when the optimizer shards over several ranks
     hooked: bool = False
+    # (sharded directory, optimizer file) that save_state streams into a plain file once it has written
+    plain_due: list = field(default_factory=list)
     # DistributedDataParallel wrappers prepare_model returned (weakly; _models keeps the inner module)
     ddps: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 
@@ -63,12 +66,12 @@ def _indexed(accelerator) -> list[tuple[str, ZeroBucketOptimizer]]:
     return out
 
 
-def prepare_accelerator(accelerator, *, sharded_checkpoints: bool = False) -> None:
+def prepare_accelerator(accelerator, *, sharded_checkpoints: bool | None = None) -> None:
     """Make an ``accelerate.Accelerator`` safe for :class:`~hf_zero.ZeroBucketOptimizer`.
 
     Optional: hf_zero does the same by itself whenever an Accelerator prepares a
     ZeroBucketOptimizer (with hf_zero imported or installed). Call it on every rank,
-    after ``accelerator.prepare(...)``, to turn on ``sharded_checkpoints``. The wiring
+    after ``accelerator.prepare(...)``, to choose ``sharded_checkpoints``. The wiring
 
     - averages, at the end of each backward, the grads of params DDP does not reduce
       (params frozen when ``prepare`` built DDP and unfrozen later), so
@@ -80,27 +83,30 @@ def prepare_accelerator(accelerator, *, sharded_checkpoints: bool = False) -> No
       ``accelerator.save_model()`` complete: with safetensors (the default) Accelerate
       keeps only one tensor per shared storage, and bucket views share one. On the main
       process ``accelerator.get_state_dict()`` (which both saves use) then returns
-      tensors with their own storage; a save-state hook consolidates the optimizer
-      state on the main process, and a load-state hook releases the views before
-      loading (they are rebuilt, with the loaded values, at the next step).
+      tensors with their own storage, and a load-state hook releases the views before
+      loading (they are rebuilt, with the loaded values, at the next step);
+    - makes ``save_state()`` gather nothing: every rank writes its own optimizer state to
+      ``<output_dir>/hf_zero_optimizer`` (``save_sharded``; all ranks must see the
+      directory) and ``optimizer.bin`` is a small reference to it. ``load_state`` loads
+      such a directory whenever the checkpoint has one, on any number of processes.
 
-    With ``sharded_checkpoints=True`` the save-state hook instead has every rank write
-    its own state to ``<output_dir>/hf_zero_optimizer`` (``save_sharded``, no gather;
-    all ranks must see the directory) and ``optimizer.bin`` is a small reference to it.
-    ``load_state`` loads such a directory whenever the checkpoint has one, in either
-    mode, on any number of processes.
+    ``sharded_checkpoints``: ``None`` (default) as above when the optimizer shards over
+    several ranks, a plain ``optimizer.bin`` on one process (nothing to gather); ``True``:
+    always sharded; ``False``: always a plain PyTorch ``optimizer.bin``, which the main
+    process streams from the sharded files once ``save_state`` has written them (16 MiB
+    at a time), then removes them.
 
     Raises ``ValueError`` when no prepared optimizer is a ZeroBucketOptimizer, when
-    ``save_on_each_node`` is set (one complete optimizer file per node is not
-    supported yet), or when the Accelerator runs one process while the optimizer
-    shards over several ranks.
+    ``save_on_each_node`` is set (one optimizer checkpoint per node is not supported
+    yet), or when the Accelerator runs one process while the optimizer shards over
+    several ranks.
     """
     if not _wire(accelerator):
         raise ValueError(
             "prepare_accelerator: no ZeroBucketOptimizer among the accelerator's prepared optimizers; call "
             "it after accelerator.prepare(model, optimizer, ...)"
         )
-    _WIRED[accelerator].sharded_checkpoints = bool(sharded_checkpoints)
+    _WIRED[accelerator].sharded_checkpoints = None if sharded_checkpoints is None else bool(sharded_checkpoints)
 
 
 def install(accelerator_class) -> None:
@@ -160,7 +166,8 @@ def _wire(accelerator, prepared=None) -> bool:
     if getattr(accelerator.project_configuration, "save_on_each_node", False):
         raise ValueError(
             "hf_zero: ProjectConfiguration(save_on_each_node=True) is not supported with "
-            "ZeroBucketOptimizer; the optimizer state is consolidated on the main process only"
+            "ZeroBucketOptimizer; its optimizer state is saved by every rank into one directory that all "
+            "ranks must see"
         )
     for opt in optimizers:
         if accelerator.num_processes == 1 and opt.world_size > 1:
@@ -193,6 +200,7 @@ def _wire(accelerator, prepared=None) -> bool:
         accelerator.get_state_dict = _owning_get_state_dict(accelerator, accelerator.get_state_dict)
         route_clipping(accelerator, lambda: [opt for _, opt in _indexed(accelerator)])
         accelerator.end_training = _draining_end_training(accelerator, accelerator.end_training)
+        accelerator.save_state = _plain_after_save_state(accelerator, accelerator.save_state)
         wiring.hooked = True
     return True
 
@@ -222,10 +230,13 @@ def _find_unused(accelerator) -> bool:
 
 
 def _own_storage(state_dict: dict) -> None:
-    """Give every tensor that shares storage with a *different* tensor its own copy.
+    """Give every tensor that shares storage with a *different* tensor a storage object of
+    its own, over the same memory (``torch.from_dlpack``: no copy; savers that refuse or
+    copy shared storage, as safetensors and transformers' ``save_pretrained`` do, see
+    separate tensors).
 
     Exact aliases (tied weights: same data, shape and strides) stay aliases of one
-    copy, so Accelerate still drops the duplicates it is meant to drop.
+    tensor, so Accelerate still drops the duplicates it is meant to drop.
     """
     by_storage: dict[tuple, list[str]] = defaultdict(list)
     for name, t in state_dict.items():
@@ -239,8 +250,20 @@ def _own_storage(state_dict: dict) -> None:
             t = state_dict[name]
             key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
             if key not in copies:
-                copies[key] = t.detach().clone()
+                copies[key] = torch.from_dlpack(t.detach())
             state_dict[name] = copies[key]
+
+
+_ALIASED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def separate_views_in_state_dict(model: torch.nn.Module) -> None:
+    """Make ``model.state_dict()`` give bucket views storage objects of their own (see
+    :func:`_own_storage`; Trainer saves ``model.state_dict()`` with ``save_pretrained``,
+    which would otherwise clone every one of them: the whole model once more). Idempotent."""
+    if model not in _ALIASED:
+        model.register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: _own_storage(state_dict))
+        _ALIASED.add(model)
 
 
 def _owning_get_state_dict(accelerator, get_state_dict):
@@ -258,19 +281,85 @@ def _owning_get_state_dict(accelerator, get_state_dict):
     return owning
 
 
+def sees_one_directory(directory: str) -> bool:
+    """Whether every rank sees the files rank 0 writes in ``directory`` (a shared
+    filesystem). Collective (default process group): a marker file and two exchanges."""
+    import secrets
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    name = [f".hf_zero-shared-{secrets.token_hex(6)}" if dist.get_rank() == 0 else None]
+    if dist.get_rank() == 0:  # written before its name is sent: a rank that has the name can look
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, name[0]), "w"):
+            pass
+    dist.broadcast_object_list(name, src=0)
+    marker = os.path.join(directory, name[0])
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, os.path.exists(marker))
+    if dist.get_rank() == 0:
+        os.remove(marker)
+    return all(seen)
+
+
+def _sharded_saves(wiring: _Wiring, opt: ZeroBucketOptimizer) -> bool:
+    return opt.world_size > 1 if wiring.sharded_checkpoints is None else wiring.sharded_checkpoints
+
+
 def _save_hook(accelerator):
     def hook(models, weights, output_dir):
+        wiring = _WIRED[accelerator]
         for name, opt in _indexed(accelerator):
             path = os.path.join(output_dir, name)
-            if _WIRED[accelerator].sharded_checkpoints:
+            plain = not _sharded_saves(wiring, opt)
+            if opt.world_size > 1 and plain and not sees_one_directory(output_dir):
+                opt.consolidate_state_dict(to=0, device="cpu")  # no shared directory: gathered, as before
+                continue
+            if opt.world_size > 1 or not plain:  # every rank writes its own: no gather
                 opt.save_sharded(path)
                 opt.refer_to_sharded(path)
+                if plain:  # optimizer.bin, optimizer_1.bin, ... as Accelerate names them
+                    wiring.plain_due.append((path, os.path.join(output_dir, f"optimizer{name[len('hf_zero_optimizer'):]}.bin")))
                 continue
             if accelerator.is_main_process and os.path.isdir(path):
                 shutil.rmtree(path)  # a sharded state of an earlier save here: load_state would take it
-            opt.consolidate_state_dict(to=0)  # accelerate saves on the process with global rank 0
+            opt.consolidate_state_dict(to=0)  # one process: the state itself, no copy
 
     return hook
+
+
+def _plain_after_save_state(accelerator, save_state):
+    """``save_state`` that, with ``sharded_checkpoints=False`` over several ranks, then has
+    the main process replace each ``optimizer*.bin`` it wrote (a reference) by the plain
+    state dict streamed from the sharded files, and remove those; every rank learns
+    whether that failed. Accelerate has no hook after its writes (instance attribute)."""
+
+    def saving(*args, **kwargs):
+        wiring = _WIRED[accelerator]
+        wiring.plain_due = []
+        result = save_state(*args, **kwargs)
+        due, wiring.plain_due = wiring.plain_due, []
+        if due:
+            import torch.distributed as dist
+
+            error = None
+            if accelerator.is_main_process:
+                try:
+                    for path, out in due:
+                        _offline.write_plain_optimizer(path, out)
+                        shutil.rmtree(path)
+                except Exception as e:  # every rank must reach the exchange below
+                    error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+            errors = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            if any(errors):
+                raise RuntimeError("hf_zero: writing the plain optimizer file failed:\n  " + "\n  ".join(e for e in errors if e))
+        return result
+
+    saving.__doc__ = save_state.__doc__
+    return saving
 
 
 def _load_hook(accelerator):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 import weakref
 from typing import Any
@@ -19,16 +20,17 @@ import transformers.trainer
 from transformers import TrainerCallback
 from transformers.optimization import Adafactor
 
+from .. import _offline, _sharded
 from .._optimizer import ZeroBucketOptimizer
 from . import OPTIM_MEMBER, OPTIM_NAME, _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
 from ._refusals import refusal, unsupported
-from .accelerate import ours
+from .accelerate import ours, sees_one_directory, separate_views_in_state_dict
 
 logger = logging.getLogger(__name__)
 _WORKER_GRACE_S = 0.05  # [Note: exit after a last gather]
 
-SHARDED_DIR = "hf_zero_optimizer"  # inside a Trainer checkpoint, with sharded_checkpoints=True
+SHARDED_DIR = "hf_zero_optimizer"  # inside a Trainer checkpoint: each rank's optimizer state
 
 # inner name -> (optimizer class, fixed kwargs, uses Adam's betas/eps, extra optim_args keys)
 _INNER: dict[str, tuple[type, dict, bool, tuple[str, ...]]] = {
@@ -76,8 +78,8 @@ def parse_optim_args(optim_args: dict[str, str], params=None) -> dict[str, Any]:
       ``inner=adamw_fused`` that torch refuses raises;
     - ``shard``: ``auto`` (default), ``flat`` or ``param``;
     - ``bucket_view``: bool, default true (params become views of the flat buffers);
-    - ``sharded_checkpoints``: bool, default false (read by :class:`ZeroBucketCallback`,
-      see :func:`sharded_checkpoints_requested`);
+    - ``sharded_checkpoints``: bool, default true over several ranks (read by
+      :class:`ZeroBucketCallback`, see :func:`sharded_checkpoints_requested`);
     - ``grad_reduce``: ``reduce_scatter`` (default) or ``all_reduce`` (DDP's own all-reduce);
     - ``overlap``: bool, default false (opt-in: the parameter sync overlaps what runs until
       the next forward and, per block of the model's ``_no_split_modules``, the forward of
@@ -153,9 +155,11 @@ def _parse_optim_args_string(text: str | None) -> dict[str, str]:
     return out
 
 
-def sharded_checkpoints_requested(args) -> bool:
-    """Whether ``--optim_args`` asks for sharded checkpoints (``sharded_checkpoints=true``)."""
-    return _bool("sharded_checkpoints", _parse_optim_args_string(args.optim_args).get("sharded_checkpoints", "false"))
+def sharded_checkpoints_requested(args) -> bool | None:
+    """What ``--optim_args`` says of sharded checkpoints: ``sharded_checkpoints=true`` /
+    ``false``, or None when it says nothing (then they are sharded over several ranks)."""
+    raw = _parse_optim_args_string(args.optim_args).get("sharded_checkpoints")
+    return None if raw is None else _bool("sharded_checkpoints", raw)
 
 
 def _fused_refusal(params=None) -> str | None:
@@ -294,7 +298,8 @@ def register() -> None:
             undo.append(lambda: _compat.unregister_optimizer(OPTIM_NAME))
             _compat.register_optimizer(OPTIM_NAME, _handler)
         _compat.watch_trainer(transformers.Trainer)
-        _compat.before_optimizer_save(transformers.Trainer, _before_optimizer_save)
+        _compat.before_optimizer_save(transformers.Trainer, _before_optimizer_save, _after_optimizer_save)
+        _compat.serve_loaded_optimizer_state(_serve_reference)
         if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
             transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
     except BaseException:
@@ -334,28 +339,32 @@ class ZeroBucketCallback(TrainerCallback):
       Trainer's default with gradient checkpointing);
     - right before Trainer writes a checkpoint's optimizer state (whatever decided the
       save: a strategy, ``save_strategy="best"``, a callback setting ``should_save``)
-      the optimizer state is consolidated on rank 0, so ``optimizer.pt`` is complete
-      (Trainer calls ``state_dict()`` on rank 0 only);
-      with ``sharded_checkpoints=True`` every rank instead writes its own state to
-      ``checkpoint-N/hf_zero_optimizer`` (``save_sharded``, no gather) and
-      ``optimizer.pt`` is a small reference to it (see :mod:`hf_zero._sharded`);
+      every rank writes its own state to ``checkpoint-N/hf_zero_optimizer``
+      (``save_sharded``, no gather) and ``optimizer.pt`` is a small reference to it
+      (see :mod:`hf_zero._sharded`); with ``sharded_checkpoints=False`` rank 0 then
+      streams those files into a plain PyTorch ``optimizer.pt`` (16 MiB at a time) and
+      removes them. One process writes the plain file directly (nothing to gather);
     - at train begin, when ``resume_from_checkpoint`` loaded such a reference, it loads
-      the sharded state (any number of processes), from the resumed checkpoint;
+      the sharded state (any number of processes), from the resumed checkpoint; a
+      Trainer with another optimizer (``--optim adamw_torch``) resuming such a
+      checkpoint gets the plain state dict built from those files;
     - it adds ZeRO facts (per-rank trainable elements and optimizer-state bytes,
       rebuild count) to ``state.log_history`` at train begin and after each rebuild,
       and to the next logged line.
 
     Args:
-        sharded_checkpoints: write sharded optimizer state into Trainer checkpoints
-            instead of consolidating it on rank 0. Pass
-            ``callbacks=[ZeroBucketCallback(sharded_checkpoints=True)]`` to the Trainer
+        sharded_checkpoints: ``None`` (default): Trainer checkpoints hold each rank's
+            optimizer state (sharded) when the optimizer shards over several ranks, a
+            plain ``optimizer.pt`` on one process; ``True``: always sharded; ``False``:
+            always a plain ``optimizer.pt`` (built in bounded memory, as above). Pass
+            ``callbacks=[ZeroBucketCallback(sharded_checkpoints=False)]`` to the Trainer
             (it takes effect alongside the default instance), or from the command line
-            ``--optim_args sharded_checkpoints=true``. All ranks must see the output
-            directory.
+            ``--optim_args sharded_checkpoints=false`` (which wins). All ranks must see
+            the output directory.
     """
 
-    def __init__(self, sharded_checkpoints: bool = False) -> None:
-        self.sharded_checkpoints = bool(sharded_checkpoints)
+    def __init__(self, sharded_checkpoints: bool | None = None) -> None:
+        self.sharded_checkpoints = None if sharded_checkpoints is None else bool(sharded_checkpoints)
         self._rebuilds_logged = -1
         self._pending: dict[str, Any] = {}
         self._drain_after_step = True
@@ -400,19 +409,19 @@ class ZeroBucketCallback(TrainerCallback):
         if opt is None:
             return
         if _DRIVER.get(opt) not in (None, self):
-            if self.sharded_checkpoints:
-                _SHARDED_SAVES[opt] = True
+            if self.sharded_checkpoints is not None and sharded_checkpoints_requested(args) is None:
+                _SHARDED_SAVES[opt] = self.sharded_checkpoints
             return
         _DRIVER[opt] = self
-        _SHARDED_SAVES[opt] = sharded_checkpoints_requested(args) or any(
-            isinstance(cb, ZeroBucketCallback) and cb.sharded_checkpoints for cb in [self, *(_callbacks_of(opt) or [])]
-        )
+        _SHARDED_SAVES[opt] = _chosen_saves(args, [self, *(_callbacks_of(opt) or [])])
         _check_saving_ranks(opt, args)
         # DDP was built just before this event. Trainer sets accelerate's shared
         # GradientState.sync_gradients before each micro-batch.
         from accelerate.state import GradientState
 
         attach_grad_averaging(model, opt, syncing=lambda: GradientState().sync_gradients)
+        if model is not None:
+            separate_views_in_state_dict(model)  # saved without a copy of the model
         guard_frozen_under_ddp(model, opt, find_unused_parameters=_compat.ddp_find_unused_parameters(args, model), hint=_DDP_HINT)
         # Trainer loaded optimizer.pt before this event; a sharded reference is loaded
         # here, before any step (collective).
@@ -458,13 +467,19 @@ def _before_optimizer_save(trainer, output_dir: str) -> None:
     (whatever decided the save: a strategy, ``"best"``, a callback).
 
     [Note: checkpoint hook] Trainer writes optimizer.pt from rank 0's state_dict() only,
-    then trainer_state.json, then rotates old checkpoints: the state is consolidated on
-    rank 0 here, or, with sharded checkpoints, every rank writes its own state first, so
-    a checkpoint whose optimizer.pt refers to it holds it."""
+    then trainer_state.json, then rotates old checkpoints. Over several ranks every rank
+    writes its own state here first (no gather), so a checkpoint whose optimizer.pt
+    refers to it holds it; for a plain file, :func:`_after_optimizer_save` then streams
+    it into optimizer.pt. One process without sharded saves: state_dict() is the state
+    itself (no copy). ``sharded_checkpoints=false`` where ranks do not share the output
+    directory (no shared filesystem): gathered on rank 0, in CPU memory, as before."""
     opt = ours(trainer.optimizer)
     if opt is None:
         return
-    if _sharded_saves(opt, trainer.args):
+    plain = not _sharded_saves(opt, trainer.args)
+    if opt.world_size > 1 and plain and not sees_one_directory(output_dir):
+        opt.consolidate_state_dict(to=0, device="cpu")  # no shared directory: gathered on rank 0, as before
+    elif opt.world_size > 1 or not plain:
         path = os.path.join(output_dir, SHARDED_DIR)
         opt.save_sharded(path)
         opt.refer_to_sharded(path, step=trainer.state.global_step)
@@ -472,14 +487,74 @@ def _before_optimizer_save(trainer, output_dir: str) -> None:
         opt.consolidate_state_dict(to=0)
 
 
+def _after_optimizer_save(trainer, output_dir: str) -> None:
+    """Run on every rank right after Trainer wrote a checkpoint's optimizer state: with
+    ``sharded_checkpoints=false`` over several ranks, the ranks that wrote optimizer.pt
+    (a reference) replace it by the plain state dict streamed from the sharded files,
+    which they then remove; every rank learns whether that failed (collective)."""
+    opt = ours(trainer.optimizer)
+    if opt is None or opt.world_size == 1 or _sharded_saves(opt, trainer.args):
+        return
+    import torch.distributed as dist
+
+    error = None
+    path = os.path.join(output_dir, SHARDED_DIR)
+    if trainer.args.should_save and _sharded.is_sharded_checkpoint(path):  # not after the gather above
+        try:
+            _offline.write_plain_optimizer(path, os.path.join(output_dir, _OPTIMIZER_FILE))
+            shutil.rmtree(path)
+        except Exception as e:  # every rank must reach the exchange below
+            error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise RuntimeError("hf_zero: writing the plain optimizer.pt failed:\n  " + "\n  ".join(e for e in errors if e))
+
+
+_OPTIMIZER_FILE = getattr(transformers.trainer, "OPTIMIZER_NAME", "optimizer.pt")
+
+
+def _chosen_saves(args, callbacks: list) -> bool | None:
+    """Sharded saves as ``--optim_args`` says, else as a ZeroBucketCallback given a value
+    says (True wins), else None (the default: sharded over several ranks)."""
+    requested = sharded_checkpoints_requested(args)
+    if requested is not None:
+        return requested
+    chosen = {cb.sharded_checkpoints for cb in callbacks if isinstance(cb, ZeroBucketCallback)} - {None}
+    return True if True in chosen else (False if chosen else None)
+
+
 def _sharded_saves(opt: ZeroBucketOptimizer, args) -> bool:
+    """Whether ``opt``'s Trainer checkpoints stay sharded (else optimizer.pt is plain)."""
     sharded = _SHARDED_SAVES.get(opt)
-    return sharded_checkpoints_requested(args) if sharded is None else sharded
+    if sharded is None:
+        sharded = sharded_checkpoints_requested(args)
+    return opt.world_size > 1 if sharded is None else sharded
+
+
+def _serve_reference(optimizer, checkpoint: str, state_dict):
+    """[Note: serving a loaded state dict] A Trainer whose optimizer is not hf_zero's
+    (``--optim adamw_torch``) resuming a checkpoint whose optimizer.pt refers to sharded
+    state gets the plain state dict built from those files (on CPU, as torch.load of a
+    plain file would give it); hf_zero's own optimizer takes the reference."""
+    if ours(optimizer) is not None or not _sharded.is_reference(state_dict):
+        return state_dict
+    token = _sharded.reference_info(state_dict)["token"]
+    inside = os.path.join(checkpoint, SHARDED_DIR)
+    for path in (inside, _sharded.reference_info(state_dict)["path"]):
+        if _sharded.token_at(path) == token:
+            return _offline.consolidate_checkpoint(path)
+    raise ValueError(
+        f"hf_zero: {os.path.join(checkpoint, _OPTIMIZER_FILE)} refers to sharded optimizer state (token {token}) "
+        f"that is not in {inside!r}; make a plain file with `hf-zero consolidate DIR {_OPTIMIZER_FILE}` from the "
+        "directory that holds it"
+    )
 
 
 def _check_saving_ranks(opt: ZeroBucketOptimizer, args) -> None:
-    """Refuse, on every rank, a run where several ranks write ``optimizer.pt``
-    (``save_on_each_node`` over several nodes): the state is consolidated on rank 0 only."""
+    """Refuse, on every rank, a run where several ranks write a plain ``optimizer.pt``
+    (``save_on_each_node`` over several nodes, ``sharded_checkpoints=false``): it is
+    built from files every rank writes into one directory."""
     import torch.distributed as dist
 
     if _sharded_saves(opt, args) or not args.save_on_each_node or not dist.is_initialized():
@@ -489,9 +564,9 @@ def _check_saving_ranks(opt: ZeroBucketOptimizer, args) -> None:
     if sum(saving) > 1:
         raise ValueError(
             f"optim='{OPTIM_NAME}': save_on_each_node=True makes ranks {[r for r, s in enumerate(saving) if s]} "
-            "each write optimizer.pt, but the optimizer state is consolidated on rank 0 only. Use "
-            "--optim_args sharded_checkpoints=true (every rank writes its own shard; all ranks must see the "
-            "output directory) or save_on_each_node=False."
+            "each write optimizer.pt, but with sharded_checkpoints=false the plain optimizer.pt is built on one "
+            "rank. Use --optim_args sharded_checkpoints=true, the default (every rank writes its own shard; all "
+            "ranks must see the output directory) or save_on_each_node=False."
         )
 
 
