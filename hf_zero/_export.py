@@ -229,7 +229,7 @@ def sharded_source(path: str | os.PathLike) -> str:
         if is_reference(sd):
             return sharded_directory(source, sd)
         raise ValueError(f"checkpoint: {source} is already a plain optimizer state dict, not a sharded reference")
-    return path  # a sharded directory, or Checkpoint's error naming what is missing
+    return source or path  # a sharded directory (a checkpoint's hf_zero_optimizer/), or Checkpoint's error naming what is missing
 
 
 # -- reading -------------------------------------------------------------------------
