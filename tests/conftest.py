@@ -43,7 +43,8 @@ SLOW_MODULES = frozenset({
     "test_masters", "test_checkpoint", "test_collectives", "test_drop_in", "test_freeze",
     "test_core_state_dict", "test_migration_property", "test_gradient_path", "test_plots",
     "test_agreement", "test_harness", "test_cli", "test_chunked_pieces", "test_consolidation_reuse",
-    "test_memory", "test_reduce_scatter", "test_bf16_models",
+    "test_memory", "test_reduce_scatter", "test_bf16_models", "test_overlap", "test_stage2",
+    "test_masters_edits",
 })
 
 

@@ -133,6 +133,7 @@ def test_an_edit_between_steps_is_what_the_next_step_starts_from(edit, path):
         assert max(p.abs().max().item() for p in want[-1]) < CLAMP + 2 * HYPER["lr"]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_the_masters_keep_their_sub_ulp_part_where_the_edit_left_the_param_alone():
     """One element written: its master takes the param's value, every other master is

@@ -385,6 +385,7 @@ def _launched(units=("Block",)):
     return model, reader, order, syncs, seen, names
 
 
+@pytest.mark.fast
 def test_launch_order_and_what_the_root_waits_for():
     model, _, order, syncs, seen, names = _launched()
     outside = [i for i, n in enumerate(names) if not n.startswith("blocks.")]

@@ -417,6 +417,7 @@ def test_freezing_between_backward_and_step_is_an_error():
     assert_params_equal(params_of(model), before)
 
 
+@pytest.mark.fast
 def test_grads_are_none_and_clipping_reads_the_shards_on_one_process():
     model, opt = _bound()
     ref_model = build_model("mlp")
