@@ -210,7 +210,7 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
         params = per_rank[0]["params"]
         mem[name] = {"params": params, "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
                      "bytes_per_param": max(r["peak_bytes"] for r in per_rank) / params,
-                     "breakdown": breakdown(name, WORLD_SIZE)}
+                     "breakdown": breakdown(name, cfg.get("world_size", WORLD_SIZE))}
         mem[name]["above_baseline_per_rank"] = [r["peak_bytes"] - r["rss_before_model_bytes"] for r in per_rank]
         mem[name]["checkpoints"] = per_rank[0]["checkpoints"]
     base = mem.get("adamw_torch", {}).get("bytes_per_param")
@@ -237,7 +237,7 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
 def markdown(res: dict, figures: list[str]) -> str:
     env, cfg = res["env"], res["config"]
     lines = [f"Run: `{env['command']}` on {env['date_utc']}, checkout `{env['git']}`; {env['cpu']}, "
-             f"{env['cpu_count']} cores; torch {env['torch']}, transformers {env['transformers']}; gloo, 2 ranks."
+             f"{env['cpu_count']} cores; torch {env['torch']}, transformers {env['transformers']}; gloo, {cfg.get('world_size', WORLD_SIZE)} ranks."
              + (" **Smoke run: tiny models, numbers meaningless.**" if env.get("smoke") else ""), ""]
     if res["memory"]:
         lines += [f"Per-rank peak resident memory (VmHWM, `MALLOC_MMAP_THRESHOLD_=65536`), params included: "
@@ -294,7 +294,7 @@ def figures(res: dict, out: Path) -> list[Path]:
             ax.plot([s for s, _ in pts], [v for _, v in pts], label=CURVES[n], ls="--" if "reference" in n else "-")
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
-        ax.set_title(f"bf16 model, lr {res['config']['lr']}, 2 ranks", fontsize=10)
+        ax.set_title(f"bf16 model, lr {res['config']['lr']}, {res['config'].get('world_size', WORLD_SIZE)} ranks", fontsize=10)
         ax.legend(fontsize=8)
         fig.tight_layout()
         written.append(out / "memory_loss_curves.png")
@@ -332,10 +332,10 @@ def _measure(mem_rows: list[str], prec_rows: list[str], cfg: dict, *, one_spawn:
         # A high-water mark is per process: each memory row gets fresh ranks (all at once in a smoke run).
         for group in ([mem_rows] if one_spawn else [[r] for r in mem_rows]):
             if group:
-                per_rank = run_ranks(_memory_rank, WORLD_SIZE, group, cfg, timeout=cfg["timeout_s"])
+                per_rank = run_ranks(_memory_rank, cfg.get("world_size", WORLD_SIZE), group, cfg, timeout=cfg["timeout_s"])
                 memory.update({n: [r[n] for r in per_rank] for n in group})
         if prec_rows:
-            per_rank = run_ranks(_precision_rank, WORLD_SIZE, prec_rows, cfg, timeout=cfg["timeout_s"])
+            per_rank = run_ranks(_precision_rank, cfg.get("world_size", WORLD_SIZE), prec_rows, cfg, timeout=cfg["timeout_s"])
             precision = {k: [r[k] for r in per_rank] for k in per_rank[0]}
     finally:
         shared.cleanup()
@@ -359,6 +359,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="Trainer steps of a memory row (default 6)")
     parser.add_argument("--precision-steps", type=int, default=None, help="steps of a precision row (default 200)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds of the precision rows (default 0)")
+    parser.add_argument("--world-size", type=int, default=WORLD_SIZE, help=f"gloo ranks (default {WORLD_SIZE})")
     parser.add_argument("--smoke", action="store_true", help="tiny models, 2-3 steps, all rows in one spawn: for CI")
     parser.add_argument("--out", default="bench_out/memory")
     parser.add_argument("--docs", default=None, help="rewrite this markdown file's memory section (figures beside it)")
@@ -370,7 +371,9 @@ def main(argv=None) -> int:
     if args.render:
         res = json.loads(Path(args.render).read_text())
     else:
-        cfg = dict(SMOKE if args.smoke else FULL)
+        if args.world_size < 2:
+            raise SystemExit(f"--world-size: at least 2 ranks, got {args.world_size}")
+        cfg = dict(SMOKE if args.smoke else FULL, world_size=args.world_size)
         for key, value in (("steps", args.steps), ("precision_steps", args.precision_steps), ("seeds", args.seeds)):
             if value is not None:
                 cfg[key] = value
