@@ -12,7 +12,7 @@ import torch
 
 from ._codec import decode
 from ._engine import saved_storage_id, saved_tensor_reduce
-from ._sharded import COMMIT_FILE, Checkpoint, write_atomic
+from ._sharded import Checkpoint, write_atomic
 from ._state import dtype_from_name
 
 _CHUNK_BYTES = 16 << 20  # what write_plain_optimizer holds at a time
@@ -30,12 +30,14 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict:
             st = ckpt.read(j, 0, math.prod(p["shape"]), tuple(p["shape"]))
             if st is not None:
                 state[j] = st
-        groups = []
-        for g in ckpt.record["param_groups"]:
-            dec = {k: decode(v) for k, v in g.items() if k != "params"}
-            dec["params"] = list(g["params"])
-            groups.append(dec)
+        groups = _param_groups(ckpt)
     return {"state": state, "param_groups": groups}
+
+
+def _param_groups(ckpt: Checkpoint) -> list[dict]:
+    """The checkpoint's param groups as a PyTorch state dict has them (hyperparameters decoded)."""
+    return [{**{k: decode(v) for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+            for g in ckpt.record["param_groups"]]
 
 
 def save_state_dict(state_dict: dict, path: str | os.PathLike) -> None:
@@ -133,11 +135,7 @@ def write_plain_optimizer(path: str | os.PathLike, out: str | os.PathLike, *, ch
                         full, offset, length = ckpt.byte_range(over[0].file, spec["tensor"])
                         st[key] = record(dtype, math.prod(spec["shape"]), spec["shape"], [(full, offset, length)])
                 state[j] = st
-            groups = []
-            for g in ckpt.record["param_groups"]:
-                dec = {k: decode(v) for k, v in g.items() if k != "params"}
-                dec["params"] = list(g["params"])
-                groups.append(dec)
+            groups = _param_groups(ckpt)
             pickled = io.BytesIO()
             _Pickler(pickled, protocol=2).dump({"state": state, "param_groups": groups})
             z.writestr("archive/data.pkl", pickled.getvalue())

@@ -330,6 +330,26 @@ def _save_hook(accelerator):
     return hook
 
 
+def write_plain_files(due: list[tuple[str, str]]) -> None:
+    """Write each ``(sharded directory, plain file)`` of ``due`` (this rank's share: the
+    writing rank's list, empty elsewhere) as a plain optimizer state dict streamed from the
+    directory, then remove the directory; every rank learns whether any rank failed
+    (collective: every rank calls it, ``due`` empty or not)."""
+    import torch.distributed as dist
+
+    error = None
+    try:
+        for path, out in due:
+            _offline.write_plain_optimizer(path, out)
+            shutil.rmtree(path)
+    except Exception as e:  # every rank must reach the exchange below
+        error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise RuntimeError("hf_zero: writing the plain optimizer file failed:\n  " + "\n  ".join(e for e in errors if e))
+
+
 def _plain_after_save_state(accelerator, save_state):
     """``save_state`` that, with ``sharded_checkpoints=False`` over several ranks, then has
     the main process replace each ``optimizer*.bin`` it wrote (a reference) by the plain
@@ -342,20 +362,7 @@ def _plain_after_save_state(accelerator, save_state):
         result = save_state(*args, **kwargs)
         due, wiring.plain_due = wiring.plain_due, []
         if due:
-            import torch.distributed as dist
-
-            error = None
-            if accelerator.is_main_process:
-                try:
-                    for path, out in due:
-                        _offline.write_plain_optimizer(path, out)
-                        shutil.rmtree(path)
-                except Exception as e:  # every rank must reach the exchange below
-                    error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
-            errors = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-            if any(errors):
-                raise RuntimeError("hf_zero: writing the plain optimizer file failed:\n  " + "\n  ".join(e for e in errors if e))
+            write_plain_files(due if accelerator.is_main_process else [])
         return result
 
     saving.__doc__ = save_state.__doc__

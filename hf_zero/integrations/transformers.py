@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 import weakref
 from typing import Any
@@ -25,7 +24,7 @@ from .._optimizer import ZeroBucketOptimizer
 from . import OPTIM_MEMBER, OPTIM_NAME, _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
 from ._refusals import refusal, unsupported
-from .accelerate import ours, sees_one_directory, separate_views_in_state_dict
+from .accelerate import ours, sees_one_directory, separate_views_in_state_dict, write_plain_files
 
 logger = logging.getLogger(__name__)
 _WORKER_GRACE_S = 0.05  # [Note: exit after a last gather]
@@ -495,20 +494,10 @@ def _after_optimizer_save(trainer, output_dir: str) -> None:
     opt = ours(trainer.optimizer)
     if opt is None or opt.world_size == 1 or _sharded_saves(opt, trainer.args):
         return
-    import torch.distributed as dist
-
-    error = None
     path = os.path.join(output_dir, SHARDED_DIR)
-    if trainer.args.should_save and _sharded.is_sharded_checkpoint(path):  # not after the gather above
-        try:
-            _offline.write_plain_optimizer(path, os.path.join(output_dir, _OPTIMIZER_FILE))
-            shutil.rmtree(path)
-        except Exception as e:  # every rank must reach the exchange below
-            error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    if any(errors):
-        raise RuntimeError("hf_zero: writing the plain optimizer.pt failed:\n  " + "\n  ".join(e for e in errors if e))
+    due = [(path, os.path.join(output_dir, _OPTIMIZER_FILE))]
+    # not after the gather of _before_optimizer_save (no shared directory): nothing sharded there
+    write_plain_files(due if trainer.args.should_save and _sharded.is_sharded_checkpoint(path) else [])
 
 
 _OPTIMIZER_FILE = getattr(transformers.trainer, "OPTIMIZER_NAME", "optimizer.pt")
