@@ -243,8 +243,8 @@ def markdown(res: dict, figures: list[str]) -> str:
         lines += [f"Per-rank peak resident memory (VmHWM, `MALLOC_MMAP_THRESHOLD_=65536`), params included: "
                   f"GPT-2 {next(iter(res['memory'].values()))['params']:,} params, batch 1, seq {cfg['seq']}, "
                   f"{cfg['steps']} Trainer steps:", "",
-                  "| run | peak MiB (rank 0 / rank 1) | bytes / param | vs `adamw_torch` | analytic steady bytes / param "
-                  "| peak vs the run without saves (rank 0 / rank 1; above the pre-model baseline) |",
+                  "| run | peak MiB (rank 0 / rank 1 / ...) | bytes / param | vs `adamw_torch` | analytic steady bytes / param "
+                  "| peak vs the run without saves (per rank; above the pre-model baseline) |",
                   "|---|---|---|---|---|---|"]
         for name, m in res["memory"].items():
             vs = "-" if m["vs_adamw_torch"] is None else f"{m['vs_adamw_torch']:.2f}"
