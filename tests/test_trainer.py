@@ -18,7 +18,7 @@ import hf_zero
 from hf_zero import _offline
 from hf_zero.integrations import transformers as hf_tr
 from tests._dist import run_ranks
-from tests.hf_trainer_cases import run_counting_agreements, run_many, run_trainer_catching, tiny_bert
+from tests.hf_trainer_cases import BEFORE_5_2, run_counting_agreements, run_many, run_trainer_catching, tiny_bert
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -647,8 +647,10 @@ def test_default_checkpoints_resume_on_one_two_three_ranks_and_across_optimizers
         ("run_trainer", dict(output_dir=at("from_adamw"), resume=at("adamw") + "/checkpoint-2", **ANYWHERE)),
         ("run_trainer", dict(output_dir=at("from_plain"), resume=at("plain") + "/checkpoint-2", **ANYWHERE)),
     ], timeout=300)
-    (three,), *_ = run_ranks(run_many, 3, [("run_trainer", dict(output_dir=at("resume3"), resume=saved, **ANYWHERE))],
-                             timeout=150)
+    # Before transformers 5.2 Trainer resumes with the checkpoint's per-device batch (3): 3 ranks
+    # cannot make the global batch of 6 with it, so the 3-rank resume runs on 5.2 and later.
+    three = None if BEFORE_5_2 else run_ranks(
+        run_many, 3, [("run_trainer", dict(output_dir=at("resume3"), resume=saved, **ANYWHERE))], timeout=150)[0][0]
     (one,), = run_ranks(run_many, 1, [("run_trainer", dict(output_dir=at("resume1"), resume=saved, **ANYWHERE))],
                         timeout=100)
     zero, plain, adamw, *resumed = two[0]
@@ -658,7 +660,8 @@ def test_default_checkpoints_resume_on_one_two_three_ranks_and_across_optimizers
     _assert_params_close(plain[0], zero[0], 0.0, "sharded_checkpoints=false vs the default")
     for name, run in zip(("resume2", "to_adamw", "from_adamw", "from_plain", "resume3", "resume1"),
                          [*resumed, three, one]):
-        _assert_params_close(run[0], zero[0], 1e-12, name)
+        if run is not None:
+            _assert_params_close(run[0], zero[0], 1e-12, name)
 
     # The default checkpoint holds each rank's state; the plain one a torch state dict and no shards.
     assert hf_tr.SHARDED_DIR in os.listdir(saved) and os.path.getsize(os.path.join(saved, "optimizer.pt")) < 2000
