@@ -21,7 +21,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(conn, rank, world_size, port, timeout, fn, args, kwargs):
+def _worker(conn, rank, world_size, port, timeout, env, fn, args, kwargs):
+    os.environ.clear()  # a forkserver child starts with the server's environment: take the caller's
+    os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -38,10 +40,25 @@ def _worker(conn, rank, world_size, port, timeout, fn, args, kwargs):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world_size, *args, timeout=60.0, **kwargs) -> list:
+# Imported once by the forkserver that starts the ranks (seconds per rank otherwise).
+_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.trainer", "accelerate", "hf_zero",
+            "tests.models"]
+
+
+def _context(fresh: bool):
+    if fresh:
+        return get_context("spawn")
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def run_ranks(fn, world_size, *args, timeout=60.0, fresh=False, **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes.
 
-    Each rank is a fresh ``spawn`` process with MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set,
+    Each rank is a process forked from a server that imported torch, transformers and
+    hf_zero once (``forkserver``; ``fresh=True``: a new interpreter, ``spawn``, for what
+    must start clean, e.g. memory high-water marks or variables read at process start), with MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE set,
     ``OMP_NUM_THREADS=1`` and an initialised default gloo process group (its collective
     timeout is ``timeout`` too). ``fn`` must be a module-level (picklable) function; its
     return value must be picklable (tensors come back by value).
@@ -53,7 +70,7 @@ def run_ranks(fn, world_size, *args, timeout=60.0, **kwargs) -> list:
     traceback. To check that *every* rank raises the same error, catch it inside ``fn`` and
     return the message instead.
     """
-    ctx = get_context("spawn")
+    ctx = _context(fresh)
     port, deadline = _free_port(), time.monotonic() + timeout
     procs, conns = [], []
     results, errors, pending = {}, {}, set(range(world_size))
@@ -65,7 +82,7 @@ def run_ranks(fn, world_size, *args, timeout=60.0, **kwargs) -> list:
                 recv, send = ctx.Pipe(duplex=False)
                 conns.append(recv)
                 p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
-                                args=(send, rank, world_size, port, timeout, fn, args, kwargs))
+                                args=(send, rank, world_size, port, timeout, dict(os.environ), fn, args, kwargs))
                 p.start()  # raises here if fn/args cannot be pickled
                 procs.append(p)
                 send.close()

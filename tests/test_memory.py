@@ -73,7 +73,7 @@ def test_a_rebuild_holds_at_most_one_bucket_more(dtype_name, monkeypatch):
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the high-water mark")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # read by glibc as each rank starts
-    for r in run_ranks(_run, 2, dtype_name, timeout=100):
+    for r in run_ranks(_run, 2, dtype_name, timeout=100, fresh=True):
         assert r["rebuilds"] == 3, r
         # What a rebuild that kept the old buffers or state would add: all of either.
         assert r["state_mib"] > 4 * r["largest_buffer_mib"], r
@@ -182,7 +182,7 @@ def test_a_checkpoint_costs_no_rank_more_than_a_training_step(kind, dtype_name, 
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the high-water mark")
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    for rank, r in enumerate(run_ranks(_saving_run, 2, str(tmp_path), kind, dtype_name, timeout=180)):
+    for rank, r in enumerate(run_ranks(_saving_run, 2, str(tmp_path), kind, dtype_name, timeout=180, fresh=True)):
         assert r["save"] <= SAVE_BOUND * r["train"], (rank, r)
     saved = tmp_path / "checkpoint-6"
     if kind == "trainer_plain":
