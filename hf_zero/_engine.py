@@ -47,6 +47,55 @@ def backward_reaches(param: torch.Tensor) -> bool:
     return bool(will_execute(node))
 
 
+def graph_task_id() -> int:
+    """The id of the backward pass running on this thread (a nested one, e.g. a reentrant
+    checkpoint's, has its own), or -1 outside any backward pass."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    if current is None:
+        raise RuntimeError(
+            f"hf_zero: torch {torch.__version__} has no torch._C._current_graph_task_id, which stage 2 relies on; "
+            "please report this with your versions of hf_zero and torch"
+        )
+    return int(current())
+
+
+def tree_tensors(output: Any) -> tuple[list, Callable[[list], Any]]:
+    """The leaves of ``output`` (nested tuples, lists, dicts, a transformers ``ModelOutput``: what
+    ``torch.utils._pytree`` knows) and a function building the same structure from new leaves."""
+    import torch.utils._pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(output)
+    return leaves, lambda new: pytree.tree_unflatten(new, spec)
+
+
+def running_node():
+    """The autograd node the running backward pass is executing (in a node's prehook: that node)."""
+    return torch._C._current_autograd_node()
+
+
+# Autograd nodes of checkpoints that run a nested backward of their own (inside the node's
+# backward, with the params of the region unreachable from the outer graph):
+# torch.utils.checkpoint.checkpoint(..., use_reentrant=True).
+REENTRANT_NODES = frozenset({"CheckpointFunctionBackward"})
+
+
+def reentrant_region_below(root) -> bool:
+    """Whether the running backward pass will run a reentrant checkpoint node at or below
+    autograd node ``root`` (a depth-first walk of the graph, stopping at the first one).
+    Only inside a backward pass."""
+    will_execute = torch._C._will_engine_execute_node
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name() in REENTRANT_NODES and will_execute(node):
+            return True
+        stack.extend(f for f, _ in node.next_functions)
+    return False
+
+
 def saved_tensor_reduce(storage: Any, shape: tuple[int, ...]) -> tuple:
     """What ``torch.save`` pickles for a contiguous CPU tensor at offset 0 of ``storage``
     (``Tensor._reduce_ex_internal``): ``torch._utils._rebuild_tensor_v2(storage, 0, shape,
