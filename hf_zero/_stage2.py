@@ -14,9 +14,11 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
   freeze or unfreeze re-plans it identically on every rank.
 - **Hook.** Once autograd has finished a param's grad (a post-accumulate-grad hook), it
   is copied into its bucket (allocated at its first copy) and ``p.grad`` is set to None.
-- **Order.** At the first hook of a backward each bucket counts the params this
-  backward will reach (``torch._C._will_engine_execute_node``); a param it will not
-  reach adds zeros (or the grad it accumulated under ``no_sync()``). A bucket is
+  Params get their hook at bind, or before the first forward after they need a grad
+  (unfrozen, or added with ``add_param_group``): torch refuses a hook on a frozen param.
+- **Order.** When a backward arms (see [Note: arming a backward]) each bucket counts the
+  params this backward will reach (``torch._C._will_engine_execute_node``); a param it will
+  not reach adds zeros (or the grad it accumulated under ``no_sync()``). A bucket is
   reduce-scattered (``Comm.reduce_scatter_``, asynchronous, overlapping the rest of the
   backward) once it and every bucket before it are complete: every rank starts them in
   bucket order, which gloo's point-to-point matching needs. The end of the backward (an
@@ -35,6 +37,26 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
 - **Accumulation.** Every syncing backward adds into the shards (as DeepSpeed and
   Colossal-AI do). Under :meth:`Reducer.no_sync` the hooks do nothing: grads accumulate
   in ``p.grad`` and the next syncing backward reduces the sum.
+- **Arming.** [Note: arming a backward] A forward hook on the bound module puts a prehook
+  on the autograd node of each output tensor (torch's pytree: tuples, dicts, a transformers
+  ``ModelOutput``), as DDP's ``_DDPSink`` does with a Function: the first to run is the
+  outermost start of a backward through the model, where the reducer arms and queues its
+  end-of-backward callback (on that backward, not on a nested one). A reentrant checkpoint
+  (``use_reentrant=True``) runs its region's backward nested inside its node: the region's
+  params are unreachable from the outer graph when it arms, and their hooks fire inside
+  the nested backward. So when some params are unreached, a walk of the graph below the
+  outputs looks for a reentrant checkpoint node that will run (stopping at the first; its
+  answer kept while the same params are unreached); if there is one, the unreached params
+  *may still come*: they are counted like reached ones, their buckets go as their regions
+  finish, and the end of the backward adds zeros (or their ``no_sync()`` grad) for those that
+  never came. A param whose grad comes twice in one backward (two regions) is summed while
+  its bucket is open; after its bucket went it is an error. A forward none of whose outputs
+  needs a grad (this rank used no trainable param) gets outputs that do (copies through an
+  empty leaf), so that this rank's backward arms too and joins the reduce-scatters with
+  zeros. A param hook firing before any prehook (a param used outside the model's
+  forward) arms there. A backward that raised never ends: the next forward, ``zero_grad()``
+  or step finishes the reductions it started, drops the rest, and the step refuses the
+  partial shards until ``zero_grad()``.
 - **Reading.** :meth:`Reducer.sharded` hands the step and clipping this rank's averaged
   grads (:class:`ShardedGrads`). A param no rank got a grad for since the last step has
   none (DDP's ``find_unused_parameters`` leaves it None too; the optimizer skips it):
@@ -53,7 +75,7 @@ import torch
 
 from ._comm import Comm
 from ._engine import (
-    backward_reaches, graph_task_id, queue_end_of_backward, reentrant_region_below, running_node, tree_tensors,
+    grad_accumulator, graph_task_id, queue_end_of_backward, reentrant_region_below, running_node, tree_tensors, will_run,
 )
 from ._layout import Layout, Piece, plan_layout
 
@@ -131,6 +153,7 @@ class Reducer:
         self._handles: list = []
         self._plan: _Plan | None = None
         self._plan_key = None
+        self._accumulators: dict = {}  # param index -> its AccumulateGrad node, per plan
         self._suspended = False  # inside no_sync()
         self._broadcast_buffers = False
         self._seen = 0  # params of the table looked at (add_param_group appends)
@@ -234,6 +257,8 @@ class Reducer:
             layout = plan_layout(specs, world_size=self.comm.world_size, shard=self._shard,
                                  buckets=plan_buckets(specs, self.cap_bytes))
             self._plan, self._plan_key = _plan_of(layout, self.comm.rank), key
+            params = self._table().params
+            self._accumulators = {i: grad_accumulator(params[i]) for i in self._plan.where}
         return self._plan
 
     # -- the backward ----------------------------------------------------------------------
@@ -306,10 +331,10 @@ class Reducer:
             )
         self._armed, self._next = True, 0
         self._left, self._pending, self._put = [0] * len(plan.sizes), set(), set()
-        params = self._table().params
+        params, accumulators = self._table().params, self._accumulators
         unreached = []
         for i, (b, _, _) in plan.where.items():
-            if backward_reaches(params[i]):
+            if will_run(accumulators[i]):
                 self._left[b] += 1
                 self._pending.add(i)
             else:
