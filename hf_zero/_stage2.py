@@ -162,7 +162,7 @@ class Reducer:
         self._armed = False
         self._left: list[int] = []  # per buffer: grads still to come this backward
         self._pending: set[int] = set()  # params counted in _left that have not come yet
-        self._put: set[int] = set()  # params whose grad is in their bucket this backward
+        self._placed: set[int] = set()  # params whose grad is in their bucket this backward
         self._regions_cache: tuple = (None, False)  # (unreached params, reentrant regions below)
         self._broken = False  # a backward raised midway since the last step / zero_grad
         self._next = 0  # the next buffer to reduce-scatter
@@ -274,8 +274,9 @@ class Reducer:
                 self.comm.broadcast_([b for b in module.buffers()], src=0, what="broadcasting buffers from rank 0")
 
     def after_forward(self, output):
-        """The bound module's forward hook: arm the backward of ``output`` at its start."""
-        if not torch.is_grad_enabled() or self._suspended:
+        """The bound module's forward hook: arm the backward of ``output`` at its start (unless
+        that backward runs under ``no_sync()``: decided when it runs)."""
+        if not torch.is_grad_enabled():
             return None
         leaves, rebuild = tree_tensors(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -330,7 +331,7 @@ class Reducer:
                 "or zero_grad()"
             )
         self._armed, self._next = True, 0
-        self._left, self._pending, self._put = [0] * len(plan.sizes), set(), set()
+        self._left, self._pending, self._placed = [0] * len(plan.sizes), set(), set()
         params, accumulators = self._table().params, self._accumulators
         unreached = []
         for i, (b, _, _) in plan.where.items():
@@ -362,11 +363,11 @@ class Reducer:
     def _put_grad(self, i: int, p: torch.Tensor) -> None:
         b, offset, numel = self._plan.where[i]
         slot = self._bucket(b)[offset : offset + numel]
-        if i in self._put:  # a second grad in one backward (nested backwards): summed as autograd would
+        if i in self._placed:  # a second grad in one backward (nested backwards): summed as autograd would
             slot.add_(p.grad.reshape(-1))
         else:
             slot.copy_(p.grad.reshape(-1))
-            self._put.add(i)
+            self._placed.add(i)
         p.grad = None
         self.touched.add(i)
 
