@@ -280,7 +280,8 @@ class Reducer:
             return None
         leaves, rebuild = tree_tensors(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        if not tensors:
+        anchored = not tensors
+        if anchored:
             # Nothing of this forward needs a grad (this rank's control flow used no trainable
             # param): give its float outputs one so that the backward still arms here and
             # this rank joins the other ranks' reduce-scatters (with zeros).
@@ -294,7 +295,7 @@ class Reducer:
         hook = _arm(weakref.ref(self))
         for node in {t.grad_fn for t in tensors}:
             node.register_prehook(hook)
-        return output
+        return output if anchored else None  # None: the forward's own output, untouched
 
     def arm(self, root) -> None:
         """A backward through the bound module's outputs starts at autograd node ``root``."""

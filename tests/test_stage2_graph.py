@@ -470,6 +470,7 @@ def test_bf16_with_masters_equals_the_fp32_master_reference_bitwise():
 
 
 # -- cost ---------------------------------------------------------------------------------------
+@pytest.mark.fast
 def test_a_graph_without_checkpoints_is_not_walked_again_while_the_same_params_are_unreached():
     """The walk for reentrant checkpoints runs only when a param is unreached, and once per set of
     unreached params (MLP.unused is never reached)."""
@@ -496,6 +497,7 @@ def test_a_graph_without_checkpoints_is_not_walked_again_while_the_same_params_a
     assert len(walks) == 1
 
 
+@pytest.mark.fast
 def test_reentrant_checkpoint_node_is_recognised():
     """hf_zero/_engine.py finds reentrant checkpoint regions by their node's name: fails loudly if
     torch renames it."""
