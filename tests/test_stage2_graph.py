@@ -96,11 +96,13 @@ class Case:
     add_group_at: int | None = None  # gate is frozen and not in the optimizer until this step, then added
     bucket_mb: float = BUCKET_MB
     shard: str = "flat"
+    overlap: bool = False  # overlap_param_sync: the next forward waits for the parameter sync
 
 
 CASES = {
     "reentrant": Case(ctx="reentrant"),
     "reentrant-param": Case(ctx="reentrant", shard="param"),
+    "reentrant-overlap-param-sync": Case(ctx="reentrant", overlap=True, accumulate=2),
     "non-reentrant": Case(ctx="non-reentrant"),
     "reentrant-accumulate-4": Case(ctx="reentrant", accumulate=4),
     "reentrant-no-sync-2": Case(ctx="reentrant", accumulate=2, no_sync=True),
@@ -181,7 +183,7 @@ def _train(rank, world_size, case: Case):
 
     model = _build(case)
     opt = ZeroBucketOptimizer(_params_for_optimizer(case, model), torch.optim.AdamW, stage=2, shard=case.shard,
-                              lr=1e-2, weight_decay=0.1)
+                              overlap_param_sync=case.overlap, lr=1e-2, weight_decay=0.1)
     opt.bind_module(model, bucket_cap_mb=case.bucket_mb)
     reducer = opt.gradient_path.stage2
     scattered = []
@@ -193,6 +195,7 @@ def _train(rank, world_size, case: Case):
 
     opt.gradient_path.comm.reduce_scatter_ = counted
     errors, freed = _loop(case, model, opt, world_size=world_size, rank=rank)
+    opt.wait_param_sync()
     opt.consolidate_state_dict(to=0)
     return {
         "params": params_of(model),
