@@ -1,6 +1,7 @@
 """The torch internals the core uses: running a callback when a backward pass ends, and
 a tensor's version counter, and how ``torch.save`` pickles a tensor (for files written
-piece by piece).
+piece by piece); for stage 2, what the running backward pass will execute, which one is
+running (and which node), and flattening a model's output.
 
 No public torch API does these; DDP and FSDP use the same autograd-engine call, and
 torch's own checkpointing and in-place checks read ``_version`` (tests/test_compat.py
@@ -33,18 +34,77 @@ def version_of(tensor: torch.Tensor) -> int:
     return tensor._version
 
 
-def backward_reaches(param: torch.Tensor) -> bool:
-    """Whether the running backward pass will accumulate a gradient into leaf ``param``
-    (its ``AccumulateGrad`` node is in the graph being run). Only inside a backward pass."""
+def grad_accumulator(param: torch.Tensor):
+    """Leaf ``param``'s ``AccumulateGrad`` autograd node. Torch keeps it only while something
+    holds it (DDP holds them too): held, the same node is in every graph that reaches ``param``
+    (until ``param`` changes dtype or device)."""
+    with torch.enable_grad():
+        return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+def will_run(node) -> bool:
+    """Whether the running backward pass will execute autograd ``node``. Only inside a backward pass."""
     will_execute = getattr(torch._C, "_will_engine_execute_node", None)
     if will_execute is None:
         raise RuntimeError(
             f"hf_zero: torch {torch.__version__} has no torch._C._will_engine_execute_node, which stage 2 relies on; "
             "please report this with your versions of hf_zero and torch"
         )
-    with torch.enable_grad():
-        node = param.view_as(param).grad_fn.next_functions[0][0]
     return bool(will_execute(node))
+
+
+def graph_task_id() -> int:
+    """The id of the backward pass running on this thread (a nested one, e.g. a reentrant
+    checkpoint's, has its own), or -1 outside any backward pass."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    if current is None:
+        raise RuntimeError(
+            f"hf_zero: torch {torch.__version__} has no torch._C._current_graph_task_id, which stage 2 relies on; "
+            "please report this with your versions of hf_zero and torch"
+        )
+    return int(current())
+
+
+def tree_tensors(output: Any) -> tuple[list, Callable[[list], Any]]:
+    """The leaves of ``output`` (nested tuples, lists, dicts, a transformers ``ModelOutput``: what
+    ``torch.utils._pytree`` knows) and a function building the same structure from new leaves."""
+    import torch.utils._pytree as pytree
+
+    leaves, spec = pytree.tree_flatten(output)
+    return leaves, lambda new: pytree.tree_unflatten(new, spec)
+
+
+def running_node():
+    """The autograd node the running backward pass is executing (in a node's prehook: that node)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    if current is None:
+        raise RuntimeError(
+            f"hf_zero: torch {torch.__version__} has no torch._C._current_autograd_node, which stage 2 relies on; "
+            "please report this with your versions of hf_zero and torch"
+        )
+    return current()
+
+
+# Autograd nodes of checkpoints that run a nested backward of their own (inside the node's
+# backward, with the params of the region unreachable from the outer graph):
+# torch.utils.checkpoint.checkpoint(..., use_reentrant=True).
+REENTRANT_NODES = frozenset({"CheckpointFunctionBackward"})
+
+
+def reentrant_region_below(root) -> bool:
+    """Whether the running backward pass will run a reentrant checkpoint node at or below
+    autograd node ``root`` (a depth-first walk of the graph, stopping at the first one).
+    Only inside a backward pass."""
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name() in REENTRANT_NODES and will_run(node):
+            return True
+        stack.extend(f for f, _ in node.next_functions)
+    return False
 
 
 def saved_tensor_reduce(storage: Any, shape: tuple[int, ...]) -> tuple:

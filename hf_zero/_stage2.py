@@ -14,9 +14,11 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
   freeze or unfreeze re-plans it identically on every rank.
 - **Hook.** Once autograd has finished a param's grad (a post-accumulate-grad hook), it
   is copied into its bucket (allocated at its first copy) and ``p.grad`` is set to None.
-- **Order.** At the first hook of a backward each bucket counts the params this
-  backward will reach (``torch._C._will_engine_execute_node``); a param it will not
-  reach adds zeros (or the grad it accumulated under ``no_sync()``). A bucket is
+  Params get their hook at bind, or before the first forward after they need a grad
+  (unfrozen, or added with ``add_param_group``): torch refuses a hook on a frozen param.
+- **Order.** When a backward arms (see [Note: arming a backward]) each bucket counts the
+  params this backward will reach (``torch._C._will_engine_execute_node``); a param it will
+  not reach adds zeros (or the grad it accumulated under ``no_sync()``). A bucket is
   reduce-scattered (``Comm.reduce_scatter_``, asynchronous, overlapping the rest of the
   backward) once it and every bucket before it are complete: every rank starts them in
   bucket order, which gloo's point-to-point matching needs. The end of the backward (an
@@ -35,6 +37,26 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
 - **Accumulation.** Every syncing backward adds into the shards (as DeepSpeed and
   Colossal-AI do). Under :meth:`Reducer.no_sync` the hooks do nothing: grads accumulate
   in ``p.grad`` and the next syncing backward reduces the sum.
+- **Arming.** [Note: arming a backward] A forward hook on the bound module puts a prehook
+  on the autograd node of each output tensor (torch's pytree: tuples, dicts, a transformers
+  ``ModelOutput``), as DDP's ``_DDPSink`` does with a Function: the first to run is the
+  outermost start of a backward through the model, where the reducer arms and queues its
+  end-of-backward callback (on that backward, not on a nested one). A reentrant checkpoint
+  (``use_reentrant=True``) runs its region's backward nested inside its node: the region's
+  params are unreachable from the outer graph when it arms, and their hooks fire inside
+  the nested backward. So when some params are unreached, a walk of the graph below the
+  outputs looks for a reentrant checkpoint node that will run (stopping at the first; its
+  answer kept while the same params are unreached); if there is one, the unreached params
+  *may still come*: they are counted like reached ones, their buckets go as their regions
+  finish, and the end of the backward adds zeros (or their ``no_sync()`` grad) for those that
+  never came. A param whose grad comes twice in one backward (two regions) is summed while
+  its bucket is open; after its bucket went it is an error. A forward none of whose outputs
+  needs a grad (this rank used no trainable param) gets outputs that do (copies through an
+  empty leaf), so that this rank's backward arms too and joins the reduce-scatters with
+  zeros. A param hook firing before any prehook (a param used outside the model's
+  forward) arms there. A backward that raised never ends: the next forward, ``zero_grad()``
+  or step finishes the reductions it started, drops the rest, and the step refuses the
+  partial shards until ``zero_grad()``.
 - **Reading.** :meth:`Reducer.sharded` hands the step and clipping this rank's averaged
   grads (:class:`ShardedGrads`). A param no rank got a grad for since the last step has
   none (DDP's ``find_unused_parameters`` leaves it None too; the optimizer skips it):
@@ -52,7 +74,9 @@ from dataclasses import dataclass
 import torch
 
 from ._comm import Comm
-from ._engine import backward_reaches, queue_end_of_backward
+from ._engine import (
+    grad_accumulator, graph_task_id, queue_end_of_backward, reentrant_region_below, running_node, tree_tensors, will_run,
+)
 from ._layout import Layout, Piece, plan_layout
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
@@ -129,10 +153,18 @@ class Reducer:
         self._handles: list = []
         self._plan: _Plan | None = None
         self._plan_key = None
+        self._accumulators: dict = {}  # param index -> its AccumulateGrad node, per plan
         self._suspended = False  # inside no_sync()
-        # This backward (between its first hook and its end).
+        self._broadcast_buffers = False
+        self._seen = 0  # params of the table looked at (add_param_group appends)
+        self._unhooked: list[int] = []  # frozen ones among them: no hook yet
+        # This backward (between its arming and its end).
         self._armed = False
         self._left: list[int] = []  # per buffer: grads still to come this backward
+        self._pending: set[int] = set()  # params counted in _left that have not come yet
+        self._placed: set[int] = set()  # params whose grad is in their bucket this backward
+        self._regions_cache: tuple = (None, False)  # (unreached params, reentrant regions below)
+        self._broken = False  # a backward raised midway since the last step / zero_grad
         self._next = 0  # the next buffer to reduce-scatter
         self._filling: dict[int, torch.Tensor] = {}
         self._in_flight: deque = deque()
@@ -180,11 +212,24 @@ class Reducer:
         with torch.no_grad():
             self.comm.broadcast_(tensors, src=0, what="broadcasting parameters and buffers from rank 0")
         me = weakref.ref(self)
-        self._handles = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(table.params)]
-        if broadcast_buffers and self.comm.world_size > 1 and any(True for _ in module.buffers()):
-            self._handles.append(module.register_forward_pre_hook(_buffer_sync(me)))
+        self._hook_params()
+        self._broadcast_buffers = broadcast_buffers and self.comm.world_size > 1 and any(True for _ in module.buffers())
+        self._handles.append(module.register_forward_pre_hook(_before_forward(me)))
+        self._handles.append(module.register_forward_hook(_after_forward(me)))
         self.module_ref = weakref.ref(module)
         module.no_sync = self.no_sync
+
+    def _hook_params(self) -> None:
+        """Hook the params that need a grad and have no hook yet: at bind, then before each forward
+        (torch refuses a hook on a frozen param: it gets its own once unfrozen; ``add_param_group``
+        appends params)."""
+        params, me = self._table().params, weakref.ref(self)
+        self._unhooked.extend(range(self._seen, len(params)))
+        self._seen = len(params)
+        if any(params[i].requires_grad for i in self._unhooked):
+            for i in [i for i in self._unhooked if params[i].requires_grad]:
+                self._handles.append(params[i].register_post_accumulate_grad_hook(_hook(me, i)))
+            self._unhooked = [i for i in self._unhooked if not params[i].requires_grad]
 
     @property
     def suspended(self) -> bool:
@@ -212,28 +257,73 @@ class Reducer:
             layout = plan_layout(specs, world_size=self.comm.world_size, shard=self._shard,
                                  buckets=plan_buckets(specs, self.cap_bytes))
             self._plan, self._plan_key = _plan_of(layout, self.comm.rank), key
+            params = self._table().params
+            self._accumulators = {i: grad_accumulator(params[i]) for i in self._plan.where}
         return self._plan
 
     # -- the backward ----------------------------------------------------------------------
+    def before_forward(self, module: torch.nn.Module) -> None:
+        """The bound module's forward pre-hook: see [Note: arming a backward]."""
+        if graph_task_id() != -1:  # a checkpoint recomputing the forward inside a backward
+            return
+        if self._armed:
+            self._abandon()
+        self._hook_params()
+        if self._broadcast_buffers and torch.is_grad_enabled() and not self._suspended:
+            with torch.no_grad():
+                self.comm.broadcast_([b for b in module.buffers()], src=0, what="broadcasting buffers from rank 0")
+
+    def after_forward(self, output):
+        """The bound module's forward hook: arm the backward of ``output`` at its start (unless
+        that backward runs under ``no_sync()``: decided when it runs)."""
+        if not torch.is_grad_enabled():
+            return None
+        leaves, rebuild = tree_tensors(output)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        anchored = not tensors
+        if anchored:
+            # Nothing of this forward needs a grad (this rank's control flow used no trainable
+            # param): give its float outputs one so that the backward still arms here and
+            # this rank joins the other ranks' reduce-scatters (with zeros).
+            floats = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if not floats or not self._current_plan().where:
+                return None
+            anchor = torch.empty(0, requires_grad=True)
+            for k, t in zip(floats, _Anchored.apply(anchor, *(leaves[k] for k in floats))):
+                leaves[k] = t
+            output, tensors = rebuild(leaves), [leaves[floats[0]]]
+        hook = _arm(weakref.ref(self))
+        for node in {t.grad_fn for t in tensors}:
+            node.register_prehook(hook)
+        return output if anchored else None  # None: the forward's own output, untouched
+
+    def arm(self, root) -> None:
+        """A backward through the bound module's outputs starts at autograd node ``root``."""
+        if not self._armed and not self._suspended:
+            self._begin(root)
+
     def on_grad(self, i: int, p: torch.Tensor) -> None:
         if self._suspended or p.grad is None:
             return
         if not self._armed:
-            self._begin()
+            self._begin(None)
         where = self._plan.where.get(i)
         if where is None:  # no elements: in no bucket
             p.grad = None
             return
         if where[0] < self._next:
             raise RuntimeError(
-                f"hf_zero stage 2: a second gradient for {self._table().label(i)} in one backward, after its "
-                "bucket was reduced"
+                f"hf_zero stage 2: a gradient for {self._table().label(i)} arrived after its bucket was reduced "
+                "in this backward (a param used in several reentrant checkpoint regions, or reached by a nested "
+                "backward hf_zero did not foresee); use checkpoint(..., use_reentrant=False)"
             )
-        self._copy(i, p)
-        self._left[where[0]] -= 1
-        self._launch_ready()
+        self._put_grad(i, p)
+        if i in self._pending:
+            self._pending.discard(i)
+            self._left[where[0]] -= 1
+            self._launch_ready()
 
-    def _begin(self) -> None:
+    def _begin(self, root) -> None:
         plan = self._current_plan()
         if self._written and self._reduced is not plan:
             raise RuntimeError(
@@ -242,19 +332,43 @@ class Reducer:
                 "or zero_grad()"
             )
         self._armed, self._next = True, 0
-        self._left = [0] * len(plan.sizes)
-        params = self._table().params
+        self._left, self._pending, self._placed = [0] * len(plan.sizes), set(), set()
+        params, accumulators = self._table().params, self._accumulators
+        unreached = []
         for i, (b, _, _) in plan.where.items():
-            if backward_reaches(params[i]):
+            if will_run(accumulators[i]):
                 self._left[b] += 1
-            elif params[i].grad is not None:  # accumulated under no_sync(), not reached now
-                self._copy(i, params[i])
+                self._pending.add(i)
+            else:
+                unreached.append(i)
+        if unreached and root is not None and self._reentrant_regions(root, unreached):
+            for i in unreached:  # may still come, from a region's nested backward
+                self._left[plan.where[i][0]] += 1
+                self._pending.add(i)
+        else:
+            for i in unreached:
+                if params[i].grad is not None:  # accumulated under no_sync(), not reached now
+                    self._put_grad(i, params[i])
         queue_end_of_backward(self._end_of_backward)
         self._launch_ready()
 
-    def _copy(self, i: int, p: torch.Tensor) -> None:
+    def _reentrant_regions(self, root, unreached: list[int]) -> bool:
+        """Whether a reentrant checkpoint region will run below ``root``. The walk stops at the
+        first region (without one it sees the whole graph), and its answer is kept for as long as
+        the same params are unreached: see [Note: arming a backward]."""
+        key = tuple(unreached)
+        if self._regions_cache[0] != key:
+            self._regions_cache = (key, reentrant_region_below(root))
+        return self._regions_cache[1]
+
+    def _put_grad(self, i: int, p: torch.Tensor) -> None:
         b, offset, numel = self._plan.where[i]
-        self._bucket(b)[offset : offset + numel].copy_(p.grad.reshape(-1))
+        slot = self._bucket(b)[offset : offset + numel]
+        if i in self._placed:  # a second grad in one backward (nested backwards): summed as autograd would
+            slot.add_(p.grad.reshape(-1))
+        else:
+            slot.copy_(p.grad.reshape(-1))
+            self._placed.add(i)
         p.grad = None
         self.touched.add(i)
 
@@ -296,11 +410,25 @@ class Reducer:
         self.bucket_bytes -= buf.nbytes
 
     def _end_of_backward(self) -> None:
+        params = self._table().params
+        for i in sorted(self._pending):  # counted but never came: its no_sync() grad, or zeros
+            if params[i].grad is not None:
+                self._put_grad(i, params[i])
         while self._next < len(self._left):
             self._launch(self._next)
         while self._in_flight:
             self._finish(*self._in_flight.popleft())
-        self._armed, self._present = False, None
+        self._armed, self._present, self._pending = False, None, set()
+
+    def _abandon(self) -> None:
+        """The armed backward never ended (it raised): finish the reductions it started (every
+        rank started the same ones), drop the buckets being filled, and mark the shards partial."""
+        while self._in_flight:
+            self._finish(*self._in_flight.popleft())
+        for buf in self._filling.values():
+            self.bucket_bytes -= buf.nbytes
+        self._filling.clear()
+        self._armed, self._present, self._pending, self._broken = False, None, set(), True
 
     # -- reading ---------------------------------------------------------------------------
     def sharded(self) -> ShardedGrads:
@@ -309,6 +437,13 @@ class Reducer:
             raise RuntimeError(
                 "hf_zero: stage=2 reduces grads itself: call optimizer.bind_module(model) on every rank "
                 "before the first backward (and do not wrap the model in DistributedDataParallel)"
+            )
+        if self._armed and graph_task_id() == -1:
+            self._abandon()
+        if self._broken:
+            raise RuntimeError(
+                "hf_zero stage 2: a backward raised before it finished since the last step: the gradients "
+                "hold part of it; call optimizer.zero_grad() before the next backward"
             )
         table = self._table()
         local = [table.label(i) for i, p in enumerate(table.params) if p.requires_grad and p.grad is not None]
@@ -329,23 +464,52 @@ class Reducer:
 
     def step_taken(self) -> None:
         """The step consumed the grads (or ``zero_grad``): the shards hold nothing now."""
+        if self._armed and graph_task_id() == -1:
+            self._abandon()
+        self._broken = False
         self._written.clear()
         self.touched.clear()
         self._present = None
         self.peak_bucket_bytes = self.bucket_bytes
 
 
-def _buffer_sync(reducer_ref):
-    """Before each forward that will sync grads (grad mode on, not under ``no_sync()``), rank 0's
-    buffers, as DDP's ``broadcast_buffers`` (its ``_pre_forward``)."""
-
+def _before_forward(reducer_ref):
     def before_forward(module: torch.nn.Module, args) -> None:
         reducer = reducer_ref()
-        if reducer is not None and torch.is_grad_enabled() and not reducer.suspended:
-            with torch.no_grad():
-                reducer.comm.broadcast_([b for b in module.buffers()], src=0, what="broadcasting buffers from rank 0")
+        if reducer is not None:
+            reducer.before_forward(module)
 
     return before_forward
+
+
+def _after_forward(reducer_ref):
+    def after_forward(module: torch.nn.Module, args, output):
+        reducer = reducer_ref()
+        return None if reducer is None else reducer.after_forward(output)
+
+    return after_forward
+
+
+def _arm(reducer_ref):
+    def arm(grad_outputs) -> None:  # a prehook of an output's autograd node (holding no node: no cycle)
+        reducer = reducer_ref()
+        if reducer is not None:
+            reducer.arm(running_node())
+
+    return arm
+
+
+class _Anchored(torch.autograd.Function):
+    """Copies of ``tensors`` that need a grad through ``anchor`` (an empty leaf), so that a backward
+    from them runs (and arms the reducer) on a rank whose forward used no trainable param."""
+
+    @staticmethod
+    def forward(ctx, anchor, *tensors):
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *grads)
 
 
 def _hook(reducer_ref, i: int):
