@@ -93,7 +93,7 @@ def _accelerate_stage2(rank, world_size, *, save_dir, local=False):
     handler = DistributedDataParallelKwargs(bucket_cap_mb=0.01, broadcast_buffers=False)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACC, kwargs_handlers=[handler])
     model = tiny_bert()
-    model.register_buffer("probe", torch.zeros(1, dtype=torch.float64))
+    model.register_buffer("probe", torch.zeros(1, dtype=torch.float64), persistent=False)
     optimizer = hf_zero.ZeroBucketOptimizer(_groups(model), torch.optim.AdamW, lr=LR, stage=2,
                                             parameters_as_bucket_view=not local)
     if local:
@@ -152,10 +152,35 @@ def _model_prepared_first(rank, world_size):
     return type(ddp).__name__, "no error"
 
 
+def _compiled_with_autocast(rank, world_size):
+    """bf16 autocast and torch.compile (the eager backend) from the Accelerator, stage 2: both
+    still applied to the model it does not wrap in DDP."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()  # this process's earlier Accelerators had other settings
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", dynamo_backend="eager")
+    model = tiny_bert().float()
+    dtypes = []
+    model.classifier.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
+    optimizer = hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, stage=2)
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    batches = list(torch.utils.data.DataLoader(TokenDataset(), batch_size=2, shuffle=False))
+    before, freed = model.classifier.weight.detach().clone(), []
+    for step in range(2):
+        accelerator.backward(prepared(**batches[2 * step + rank]).loss)
+        freed.append(all(p.grad is None for p in model.parameters()))
+        optimizer.step()
+        optimizer.zero_grad()
+    moved = not torch.equal(before, model.classifier.weight)
+    return type(prepared).__name__, set(dtypes), freed, moved, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def _accelerate_many(rank, world_size, root):
     return [_accelerate_stage2(rank, world_size, save_dir=os.path.join(root, "shard")),
             _accelerate_stage2(rank, world_size, save_dir=os.path.join(root, "local"), local=True),
-            _model_prepared_first(rank, world_size)]
+            _model_prepared_first(rank, world_size), _compiled_with_autocast(rank, world_size)]
 
 
 def _accelerate_reference():
@@ -175,7 +200,8 @@ def _accelerate_reference():
 
 @pytest.mark.timeout(200)
 def test_accelerate_stage2_loop_without_ddp_equals_one_process_and_save_load_state_is_exact(tmp_path):
-    (shard0, local0, first0), (shard1, local1, first1) = run_ranks(_accelerate_many, 2, str(tmp_path), timeout=180)
+    (shard0, local0, first0, compiled0), (shard1, local1, first1, compiled1) = run_ranks(
+        _accelerate_many, 2, str(tmp_path), timeout=180)
     reference, ref_norms = _accelerate_reference()
     assert max(ref_norms) > MAX_NORM  # the clipping clips
     for run, other in ((shard0, shard1), (local0, local1)):
@@ -208,6 +234,12 @@ def test_accelerate_stage2_loop_without_ddp_equals_one_process_and_save_load_sta
     for n in reference:
         assert torch.equal(final[n], shard0["final"][n]), n
     assert os.path.getsize(tmp_path / "shard" / "optimizer.bin") < 2000  # a reference to each rank's own state
+
+    # Autocast and torch.compile still applied: a compiled module, not a DDP; bf16 matmuls; trained.
+    for name, dtypes, freed, moved, _ in (compiled0, compiled1):
+        assert name == "OptimizedModule" and dtypes == {torch.bfloat16} and freed == [True, True] and moved
+    for n in compiled0[4]:
+        assert torch.equal(compiled0[4][n], compiled1[4][n]), f"compiled replicas differ: {n}"
 
     assert first0 == first1 and first0[0] == "DistributedDataParallel"
     assert first0[1].startswith("hf_zero: stage=2 takes gradient synchronisation over from DistributedDataParallel")
