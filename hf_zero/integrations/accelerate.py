@@ -166,8 +166,6 @@ def _bind_stage2(accelerator, opt: ZeroBucketOptimizer, model: torch.nn.Module) 
     ``ddp_bucket_cap_mb`` / ``ddp_broadcast_buffers``). Every micro-batch is reduced into the shards unless
     ``local_accumulation`` was chosen (``accumulate`` / Trainer call ``no_sync`` on all but the last).
     A model the user bound already keeps its binding."""
-    if opt.gradient_path.stage2.bound:
-        return
     if getattr(accelerator, "scaler", None) is not None:
         raise ValueError(
             "hf_zero: stage=2 with fp16 mixed precision (a GradScaler) is not supported yet: its grads live in "
@@ -180,6 +178,8 @@ def _bind_stage2(accelerator, opt: ZeroBucketOptimizer, model: torch.nn.Module) 
             f"hf_zero: stage=2 does not use DistributedDataParallel, so the DDP communication hook {hook!r} "
             "(DistributedDataParallelKwargs(comm_hook=...)) would never run: remove it, or use stage=1"
         )
+    if opt.gradient_path.stage2.bound:
+        return
     options = {"bucket_cap_mb": getattr(handler, "bucket_cap_mb", 25), "local_accumulation": False,
                "broadcast_buffers": getattr(handler, "broadcast_buffers", True), **_BIND_OPTIONS.get(opt, {})}
     opt.bind_module(model, **options)
