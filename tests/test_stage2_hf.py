@@ -174,7 +174,8 @@ def _compiled_with_autocast(rank, world_size):
         optimizer.step()
         optimizer.zero_grad()
     moved = not torch.equal(before, model.classifier.weight)
-    return type(prepared).__name__, set(dtypes), freed, moved, {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return type(prepared).__name__, set(dtypes), freed, moved, params
 
 
 def _accelerate_many(rank, world_size, root):
@@ -264,6 +265,9 @@ def test_trainer_stage2_equals_adamw_and_resumes_across_stages_and_world_sizes(t
         ("run_trainer", dict(output_dir=str(tmp_path / "s1_to_s2"), resume=f"{s1}/checkpoint-4", optim_args=STAGE2,
                              **MAIN)),
         ("run_trainer", dict(output_dir=str(tmp_path / "s2_to_s1"), resume=f"{s2}/checkpoint-4", **MAIN)),
+        # full local grads until the last micro-batch (Trainer's no_sync honoured)
+        ("run_trainer", dict(output_dir=str(tmp_path / "local"), optim_args=f"{STAGE2},local_accumulation=true",
+                             **{**MAIN, "save_strategy": "no"})),
     ], timeout=400)
     one = run_ranks(run_many, 1, [
         ("run_trainer", dict(output_dir=str(tmp_path / "reference"), optim="adamw_torch_fused", reference=True,
@@ -271,7 +275,7 @@ def test_trainer_stage2_equals_adamw_and_resumes_across_stages_and_world_sizes(t
         ("run_trainer", dict(output_dir=str(tmp_path / "s2_on_1"), resume=f"{s2}/checkpoint-4", optim_args=STAGE2,
                              **MAIN)),
     ], timeout=180)
-    (stage2, stage1, s1_to_s2, s2_to_s1), other = two
+    (stage2, stage1, s1_to_s2, s2_to_s1, local), other = two
     reference, s2_on_1 = one[0]
 
     assert stage2[2]["stage"] == 2 and stage2[2]["wrapped"] == "BertForSequenceClassification"  # not DDP
@@ -280,14 +284,14 @@ def test_trainer_stage2_equals_adamw_and_resumes_across_stages_and_world_sizes(t
     def logged(run, key):
         return [(e["step"], e[key]) for e in run[1] if key in e]
 
-    for name, run in (("stage 2", stage2), ("stage 1", stage1)):
+    for name, run in (("stage 2", stage2), ("stage 1", stage1), ("stage 2, local accumulation", local)):
         for key in ("loss", "grad_norm"):
             got, want = logged(run, key), logged(reference, key)
             assert [s for s, _ in got] == [s for s, _ in want] and len(got) == 7, (name, key)
             torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]),
                                        rtol=1e-10, atol=0, msg=lambda m: f"{name} {key}: {m}")
-    for name, run in (("stage 2", stage2), ("stage 1", stage1), ("resumed 1 -> 2", s1_to_s2),
-                      ("resumed 2 -> 1", s2_to_s1), ("stage 2 resumed on 1 rank", s2_on_1)):
+    for name, run in (("stage 2", stage2), ("stage 1", stage1), ("local accumulation", local), ("resumed 1 -> 2",
+                      s1_to_s2), ("resumed 2 -> 1", s2_to_s1), ("stage 2 resumed on 1 rank", s2_on_1)):
         for n, want in reference[0].items():
             torch.testing.assert_close(run[0][n], want, rtol=0, atol=1e-12, msg=lambda m: f"{name}: {n}: {m}")
     for mine, theirs in zip(two[0], other):
