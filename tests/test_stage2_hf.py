@@ -7,6 +7,7 @@ full local grads until the last). Equality as tests/test_accelerate.py and tests
 check stage 1: float64, 2 gloo ranks against one process on the global batch.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -78,6 +79,21 @@ def test_fp16_grad_scaler_and_ddp_comm_hooks_are_refused_at_prepare():
     handler = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)
     with pytest.raises(ValueError, match=r"the DDP communication hook 'fp16' .* would never run"):
         prepare(Accelerator(cpu=True, kwargs_handlers=[handler]))
+
+
+def test_a_model_prepared_after_its_stage2_optimizer_is_bound_without_ddp():
+    """The optimizer prepared first, the model in a later call (``prepare_model`` directly):
+    the model is still prepared without the DDP wrap and bound (one process here)."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
+    accelerator.prepare(opt)
+    assert not opt.gradient_path.stage2.bound and hf_acc._without_ddp(accelerator, model)
+    assert not hf_acc._without_ddp(accelerator, torch.nn.Linear(3, 4))  # a model it does not hold: DDP as usual
+    assert accelerator.prepare_model(model) is model
+    assert opt.gradient_path.stage2.module_ref() is model and model.no_sync is contextlib.nullcontext
 
 
 # -- Accelerate, 2 ranks ---------------------------------------------------------------------
