@@ -31,6 +31,7 @@ def _groups(model):
 
 
 # -- in process ---------------------------------------------------------------------------------
+@pytest.mark.fast
 def test_optim_args_stage2_builds_a_stage2_optimizer_with_its_accumulation_choice(tmp_path):
     from transformers import Trainer, TrainingArguments
 
@@ -45,6 +46,7 @@ def test_optim_args_stage2_builds_a_stage2_optimizer_with_its_accumulation_choic
     assert build("inner=adamw").gradient_path.stage == 1
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("optim_args, message", [
     ("stage=3", r"stage='3' is not valid; choose one of \['1', '2'\]"),
     ("local_accumulation=true", r"local_accumulation is a stage=2 option"),
@@ -56,6 +58,7 @@ def test_bad_stage2_optim_args_are_clear_errors(optim_args, message):
         hf_tr.parse_optim_args(hf_tr._parse_optim_args_string(optim_args))
 
 
+@pytest.mark.fast
 def test_sync_batch_norm_is_refused_before_anything_changes():
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.SyncBatchNorm(4))
     opt = hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, stage=2)
@@ -64,6 +67,7 @@ def test_sync_batch_norm_is_refused_before_anything_changes():
     assert not opt.gradient_path.stage2.bound and not hasattr(model, "no_sync")
 
 
+@pytest.mark.fast
 def test_fp16_grad_scaler_and_ddp_comm_hooks_are_refused_at_prepare():
     from accelerate import Accelerator
     from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
@@ -81,6 +85,7 @@ def test_fp16_grad_scaler_and_ddp_comm_hooks_are_refused_at_prepare():
         prepare(Accelerator(cpu=True, kwargs_handlers=[handler]))
 
 
+@pytest.mark.fast
 def test_a_model_prepared_after_its_stage2_optimizer_is_bound_without_ddp():
     """The optimizer prepared first, the model in a later call (``prepare_model`` directly):
     the model is still prepared without the DDP wrap and bound (one process here)."""
