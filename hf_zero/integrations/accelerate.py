@@ -180,8 +180,9 @@ def _bind_stage2(accelerator, opt: ZeroBucketOptimizer, model: torch.nn.Module) 
         )
     if opt.gradient_path.stage2.bound:
         return
-    options = {"bucket_cap_mb": getattr(handler, "bucket_cap_mb", 25), "local_accumulation": False,
-               "broadcast_buffers": getattr(handler, "broadcast_buffers", True), **_BIND_OPTIONS.get(opt, {})}
+    buffers = getattr(handler, "broadcast_buffers", None)
+    options = {"bucket_cap_mb": getattr(handler, "bucket_cap_mb", None) or 25, "local_accumulation": False,
+               "broadcast_buffers": True if buffers is None else bool(buffers), **_BIND_OPTIONS.get(opt, {})}
     opt.bind_module(model, **options)
 
 
