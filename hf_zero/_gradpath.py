@@ -12,6 +12,7 @@ keeps the hook's state alive, which must not keep the optimizer alive.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from typing import Callable
@@ -131,14 +132,20 @@ class GradientPath:
         return grads
 
     def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float, broadcast_buffers: bool = True,
-                    overlap_default: bool = False) -> None:
-        """The body of ``ZeroBucketOptimizer.bind_module`` (documented there)."""
+                    local_accumulation: bool = True, overlap_default: bool = False) -> None:
+        """The body of ``ZeroBucketOptimizer.bind_module`` (documented there). ``local_accumulation=False``:
+        ``module.no_sync()`` does nothing, so every backward reduces into the shards (what the integrations
+        bind: Accelerate's ``accumulate`` and Trainer call ``no_sync`` on every micro-batch but the last)."""
         if self.stage2 is None:
             raise ValueError(
                 "bind_module is for stage=2 (hf_zero reduces the grads, no DDP); a stage-1 optimizer binds "
                 "the DistributedDataParallel wrapping the model with bind_ddp(ddp)"
             )
+        _refuse_needing_ddp(module)
+        bound = self.stage2.bound
         self.stage2.bind(module, cap_bytes=int(bucket_cap_mb * (1 << 20)), broadcast_buffers=broadcast_buffers)
+        if not bound and not local_accumulation:
+            module.no_sync = contextlib.nullcontext  # what Accelerate's no_sync / accumulate enter
         self._attach_overlap(module, overlap_default)
 
     def _attach_overlap(self, module: torch.nn.Module, overlap_default: bool, units=None) -> None:
@@ -190,3 +197,14 @@ class GradientPath:
         if self.reducer is not None:
             self.reducer.agree_on_finite = grad_scaler
 
+
+def _refuse_needing_ddp(module: torch.nn.Module) -> None:
+    """Refuse, before anything changes, a module stage 2 cannot serve without DDP."""
+    for name, sub in module.named_modules():
+        if isinstance(sub, torch.nn.SyncBatchNorm):
+            raise ValueError(
+                f"hf_zero: stage=2 refuses SyncBatchNorm ({name or type(module).__name__}): its backward runs "
+                "collectives of its own in the middle of the backward, interleaved with stage 2's gradient "
+                "reduce-scatters, which hf_zero does not order; convert it back to BatchNorm or use "
+                "stage=1 (under DistributedDataParallel)"
+            )

@@ -317,10 +317,13 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                         syncs_every_backward=syncs_every_backward, grad_scaler=grad_scaler, units=overlap_units)
         self.mark_ddp_reduced()
 
-    def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True):
+    def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
+                    local_accumulation: bool = True):
         """Stage 2, no DDP: broadcast ``module``'s params and buffers from rank 0 (buffers at each forward too, as DDP),
-        reduce-scatter grads as the backward makes them, give it ``no_sync()``. Collective; see docs/stage2.md."""
-        self._grad.bind_module(module, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers)
+        reduce-scatter grads as the backward makes them, give it ``no_sync()`` (``local_accumulation=False``: one that
+        does nothing: every backward reduces into the shards). Collective; see docs/stage2.md."""
+        self._grad.bind_module(module, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
+                               local_accumulation=local_accumulation)
 
     @property
     def grad_reduce(self) -> str:
@@ -333,8 +336,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         return self._grad.overlap is not None
 
     def wait_param_sync(self) -> None:
-        """Wait for an overlapped parameter sync still in flight (a no-op otherwise), so
-        every param is complete. Not a collective: each rank waits for its own."""
+        """Wait for an overlapped parameter sync still in flight (a no-op otherwise), so every param is complete.
+        Not a collective: each rank waits for its own."""
         self._grad.wait()
 
     def _clip_args(self, parameters, what: str) -> tuple[set[int], list, set[int], Any]:
@@ -359,9 +362,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float, *, parameters=None) -> None:
-        """Clamp grads to ``[-clip_value, clip_value]`` like
-        ``torch.nn.utils.clip_grad_value_(parameters, ...)`` (default: all params), after
-        averaging the grads DDP does not reduce. Collective."""
+        """Clamp grads to ``[-clip_value, clip_value]`` like ``torch.nn.utils.clip_grad_value_(parameters, ...)``
+        (default: all params), after averaging the grads DDP does not reduce. Collective."""
         chosen, pieces, partial, sharded = self._clip_args(parameters, "clip_grad_value_")
         for g in _clip.valid_grads(self._table, chosen, pieces, partial, sharded):
             g.clamp_(-clip_value, clip_value)
@@ -381,8 +383,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         return self._comm.process_group
 
     def release_views(self) -> None:
-        """Give every param sharing its storage its own (for savers that reject shared
-        storage); the next step rebuilds the buffers on every rank, moving no state."""
+        """Give every param sharing its storage its own (for savers that reject shared storage); the next step
+        rebuilds the buffers on every rank, moving no state."""
         self.wait_param_sync()
         self._table.release_shared_storage()
 
@@ -397,11 +399,10 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def consolidate_state_dict(self, to: int = 0, *, device: str | torch.device | None = None) -> None:
         """Gather the full optimizer state (masters too) on rank ``to`` for :meth:`state_dict`. Collective.
 
-        Costs rank ``to`` the whole state (AdamW: 8 bytes per param, 12 with fp32 masters) on
-        ``device`` (default: each param's; ``"cpu"`` keeps it off accelerators), sent in 16 MiB
-        rounds: no rank holds more than its shard plus a round besides. Like torch's
-        ``state_dict()``, tensors rank ``to`` holds whole are shared with the live state. To
-        checkpoint without a gather: :meth:`save_sharded` (``hf-zero consolidate`` makes the file).
+        Costs rank ``to`` the whole state (AdamW: 8 bytes per param, 12 with fp32 masters) on ``device`` (default:
+        each param's; ``"cpu"`` keeps it off accelerators), sent in 16 MiB rounds: no rank holds more than its shard
+        plus a round besides. Like torch's ``state_dict()``, tensors rank ``to`` holds whole are shared with the live
+        state. To checkpoint without a gather: :meth:`save_sharded` (``hf-zero consolidate`` makes the file).
         """
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"to must be a rank in [0, {self._comm.world_size}), got {to}")
@@ -465,9 +466,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._adopt_loaded(groups, held, has_state=has_state)
 
     def load_sharded_if_present(self, path: str | os.PathLike) -> bool:
-        """Load the sharded checkpoint in ``path`` if there is one (then refer to it, see
-        :meth:`refer_to_sharded`); return whether one was loaded. Collective: raises on
-        every rank when ranks see different checkpoints there."""
+        """Load the sharded checkpoint in ``path`` if there is one (then refer to it, see :meth:`refer_to_sharded`);
+        return whether one was loaded. Collective: raises on every rank when ranks see different checkpoints there."""
         if _lifecycle.agreed_token(self._comm, path) is None:
             return False
         self.load_sharded(path)

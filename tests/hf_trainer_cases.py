@@ -268,7 +268,8 @@ def run_trainer(
         info.update(grad_storages=storages.seen, ddp_grad_views=trainer.model_wrapped.gradient_as_bucket_view)
     zero = getattr(trainer.optimizer, "optimizer", None)
     if isinstance(zero, hf_zero.ZeroBucketOptimizer):
-        info.update(grad_reduce=zero.grad_reduce, overlap=zero.overlaps_param_sync)
+        info.update(grad_reduce=zero.grad_reduce, overlap=zero.overlaps_param_sync, stage=zero.gradient_path.stage)
+    info["wrapped"] = type(trainer.model_wrapped).__name__
     return params, trainer.state.log_history, info
 
 

@@ -180,3 +180,25 @@ def test_prepare_hook_runs_before_accelerate_dispatches_engines():
     source = inspect.getsource(inspect.unwrap(Accelerator.prepare))
     for path in ("self._prepare_deepspeed(", "self._prepare_megatron_lm("):
         assert path in source, path
+
+
+def test_prepare_without_ddp_relies_on_evaluation_mode_skipping_only_the_ddp_wrap():
+    """Stage 2's shim: ``prepare_model(..., evaluation_mode=True)`` must skip the DDP wrap and
+    nothing else (autocast before it, ``torch.compile`` after it)."""
+    from accelerate import Accelerator
+
+    from hf_zero.integrations import accelerate as hf_acc
+
+    hf_acc.install(Accelerator)
+    assert getattr(Accelerator.prepare_model, _compat._WITHOUT_DDP, False)
+    original = inspect.unwrap(Accelerator.prepare_model)
+    assert "evaluation_mode" in inspect.signature(original).parameters
+    lines = inspect.getsource(original).splitlines()
+    gate = next(i for i, line in enumerate(lines) if line.strip() == "if not evaluation_mode:")
+    indent = len(lines[gate]) - len(lines[gate].lstrip())
+    end = next(i for i in range(gate + 1, len(lines))
+               if lines[i].strip() and len(lines[i]) - len(lines[i].lstrip()) <= indent)
+    ddp = [i for i, line in enumerate(lines) if "DistributedDataParallel(" in line]
+    assert ddp and all(gate < i < end for i in ddp), "DDP built outside the evaluation_mode gate"
+    assert any("get_mixed_precision_context_manager" in line for line in lines[:gate]), "autocast not before it"
+    assert any("torch.compile(" in line for line in lines[end:]), "torch.compile not after it"

@@ -106,8 +106,8 @@ def guard_frozen_under_ddp(model: torch.nn.Module, optimizer, *, find_unused_par
     previous = _GUARDED.pop(model, None)
     if previous is not None:
         previous.remove()
-    if find_unused_parameters or optimizer.world_size == 1:
-        return
+    if find_unused_parameters or optimizer.world_size == 1 or optimizer.gradient_path.stage == 2:
+        return  # stage 2 has no DDP: its own reducer re-plans at a freeze
     reduced = [i for i, p in enumerate(optimizer.params) if p.requires_grad]
     opt_ref = weakref.ref(optimizer)
 

@@ -93,6 +93,44 @@ def before_prepare(accelerator_class: type, check: Callable[[Any, tuple], None])
     accelerator_class.prepare = prepare
 
 
+_WITHOUT_DDP = "_hf_zero_without_ddp"
+
+
+def prepare_without_ddp(accelerator_class: type, wanted: Callable[[Any, Any], bool]) -> None:
+    """Make ``prepare_model(model, ...)`` of ``accelerator_class`` skip the
+    DistributedDataParallel wrap when ``wanted(accelerator, model)`` (stage 2: hf_zero
+    reduces the grads itself), by running it with ``evaluation_mode=True``.
+
+    Accelerate 1.3 to 1.15 build DDP in ``prepare_model`` only ``if not evaluation_mode``,
+    after device placement and autocast and before ``torch.compile``, which still apply;
+    it has no public way to skip only the wrap. Idempotent."""
+    import inspect
+
+    method = _require(accelerator_class, "prepare_model", "accelerate")
+    if getattr(method, _WITHOUT_DDP, False):
+        return
+    signature = inspect.signature(method)
+    if "evaluation_mode" not in signature.parameters:
+        import accelerate
+
+        raise CompatError(
+            f"hf_zero: accelerate {accelerate.__version__}'s Accelerator.prepare_model has no evaluation_mode, "
+            "which stage=2 relies on to skip the DistributedDataParallel wrap; please report this with your "
+            "versions of hf_zero, torch, transformers and accelerate"
+        )
+
+    @functools.wraps(method)
+    def prepare_model(self, model, *args, **kwargs):
+        if wanted(self, model):
+            bound = signature.bind(self, model, *args, **kwargs)
+            bound.arguments["evaluation_mode"] = True
+            return method(*bound.args, **bound.kwargs)
+        return method(self, model, *args, **kwargs)
+
+    setattr(prepare_model, _WITHOUT_DDP, True)
+    accelerator_class.prepare_model = prepare_model
+
+
 # -- transformers -------------------------------------------------------------------
 _CREATING: contextvars.ContextVar = contextvars.ContextVar("hf_zero_creating_trainer", default=None)
 _RESUMED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()

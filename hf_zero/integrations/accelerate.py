@@ -40,6 +40,8 @@ class _Wiring:
     plain_due: list = field(default_factory=list)
     # DistributedDataParallel wrappers prepare_model returned (weakly; _models keeps the inner module)
     ddps: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
+    # stage-2 optimizers among the objects of the running prepare() (their models are not DDP-wrapped)
+    stage2: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 
 
 # accelerator -> how it is wired (weak: an Accelerator going away takes its entry along)
@@ -115,6 +117,7 @@ def install(accelerator_class) -> None:
     ``accelerate.accelerator`` has been imported."""
     _compat.before_prepare(accelerator_class, _before_prepare)
     _compat.after_prepare(accelerator_class, _wire)
+    _compat.prepare_without_ddp(accelerator_class, _without_ddp)
 
 
 def _before_prepare(accelerator, objects=()) -> None:
@@ -125,8 +128,62 @@ def _before_prepare(accelerator, objects=()) -> None:
     if not any(ours(o) is not None for o in (*objects, *_compat.prepared_optimizers(accelerator))):
         return
     _refuse_engines(accelerator)
+    wiring = _WIRED.setdefault(accelerator, _Wiring())
+    wiring.stage2 = weakref.WeakSet(o for o in map(ours, objects) if o is not None and _stage2(o))
     if any(isinstance(o, torch.nn.Module) for o in objects):
         _grads_as_bucket_views(accelerator)
+
+
+def _stage2(opt: ZeroBucketOptimizer) -> bool:
+    return opt.gradient_path.stage == 2
+
+
+def _holds(opt: ZeroBucketOptimizer, model: torch.nn.Module) -> bool:
+    ids = {id(p) for p in opt.params}
+    return any(id(p) in ids for p in unwrap_ddp(model).parameters())
+
+
+def _without_ddp(accelerator, model) -> bool:
+    """Whether ``prepare_model`` must not wrap ``model`` in DDP: a stage-2 optimizer (prepared
+    already, or prepared in the same ``prepare`` call) holds its params."""
+    wiring = _WIRED.get(accelerator)
+    candidates = [*map(ours, _compat.prepared_optimizers(accelerator)), *(wiring.stage2 if wiring else ())]
+    return any(opt is not None and _stage2(opt) and _holds(opt, model) for opt in candidates)
+
+
+# stage-2 optimizer -> bind_module keywords the Trainer's optim_args chose (local_accumulation)
+_BIND_OPTIONS: "weakref.WeakKeyDictionary[ZeroBucketOptimizer, dict]" = weakref.WeakKeyDictionary()
+
+
+def set_bind_options(opt: ZeroBucketOptimizer, **options) -> None:
+    """Keywords for the ``bind_module`` call the wiring makes for ``opt`` (stage 2)."""
+    _BIND_OPTIONS[opt] = options
+
+
+def _bind_stage2(accelerator, opt: ZeroBucketOptimizer, model: torch.nn.Module) -> None:
+    """Stage 2 reduces the grads itself (no DDP): bind ``model`` with the Accelerator's DDP settings
+    (``DistributedDataParallelKwargs``: ``bucket_cap_mb``, ``broadcast_buffers``; Trainer fills them from
+    ``ddp_bucket_cap_mb`` / ``ddp_broadcast_buffers``). Every micro-batch is reduced into the shards unless
+    ``local_accumulation`` was chosen (``accumulate`` / Trainer call ``no_sync`` on all but the last).
+    A model the user bound already keeps its binding."""
+    if getattr(accelerator, "scaler", None) is not None:
+        raise ValueError(
+            "hf_zero: stage=2 with fp16 mixed precision (a GradScaler) is not supported yet: its grads live in "
+            "shards the scaler does not see. Use bf16, or stage=1"
+        )
+    handler = getattr(accelerator, "ddp_handler", None)
+    hook = getattr(getattr(handler, "comm_hook", None), "value", None)
+    if hook not in (None, "no"):
+        raise ValueError(
+            f"hf_zero: stage=2 does not use DistributedDataParallel, so the DDP communication hook {hook!r} "
+            "(DistributedDataParallelKwargs(comm_hook=...)) would never run: remove it, or use stage=1"
+        )
+    if opt.gradient_path.stage2.bound:
+        return
+    buffers = getattr(handler, "broadcast_buffers", None)
+    options = {"bucket_cap_mb": getattr(handler, "bucket_cap_mb", None) or 25, "local_accumulation": False,
+               "broadcast_buffers": True if buffers is None else bool(buffers), **_BIND_OPTIONS.get(opt, {})}
+    opt.bind_module(model, **options)
 
 
 def _refuse_engines(accelerator) -> None:
@@ -181,6 +238,13 @@ def _wire(accelerator, prepared=None) -> bool:
         ids = {id(p) for p in opt.params}
         for ddp in list(wiring.ddps):
             if any(id(p) in ids for p in ddp.module.parameters()):
+                if _stage2(opt):
+                    raise ValueError(
+                        "hf_zero: stage=2 takes gradient synchronisation over from DistributedDataParallel, but an "
+                        "earlier accelerator.prepare call wrapped the model holding this optimizer's params in DDP "
+                        "before the optimizer was prepared. Prepare them in one call, accelerator.prepare(model, "
+                        "optimizer, ...), or prepare the optimizer before the model"
+                    )
                 # Reduce-scatter by default (clipping is routed below); the overlapped sync
                 # stays opt-in, as a loop may read params anywhere (docs/gradient_path.md),
                 # and waits per transformer block when on.
@@ -191,7 +255,9 @@ def _wire(accelerator, prepared=None) -> bool:
                     overlap_units=_compat.block_classes(ddp.module),
                 )
         for model in _compat.prepared_models(accelerator):
-            if any(id(p) in ids for p in unwrap_ddp(model).parameters()):
+            if _stage2(opt) and _holds(opt, model):
+                _bind_stage2(accelerator, opt, model)
+            elif any(id(p) in ids for p in unwrap_ddp(model).parameters()):
                 attach_grad_averaging(model, opt, syncing=lambda: accelerator.sync_gradients)
                 guard_frozen_under_ddp(model, opt, find_unused_parameters=_find_unused(accelerator), hint=_DDP_HINT)
     if not wiring.hooked:

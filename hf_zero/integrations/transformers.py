@@ -24,7 +24,7 @@ from .._optimizer import ZeroBucketOptimizer
 from . import OPTIM_MEMBER, OPTIM_NAME, _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
 from ._refusals import refusal, unsupported
-from .accelerate import ours, sees_one_directory, separate_views_in_state_dict, write_plain_files
+from .accelerate import ours, sees_one_directory, separate_views_in_state_dict, set_bind_options, write_plain_files
 
 logger = logging.getLogger(__name__)
 _WORKER_GRACE_S = 0.05  # [Note: exit after a last gather]
@@ -49,7 +49,9 @@ _INNER: dict[str, tuple[type, dict, bool, tuple[str, ...]]] = {
 # the fused AdamW kernel, wherever torch has one for the model's params.
 DEFAULT_INNER = "adamw_fused"
 _FALLBACK_INNER = "adamw"
-_COMMON_KEYS = ("inner", "shard", "bucket_view", "sharded_checkpoints", "grad_reduce", "overlap", "master_weights")
+_COMMON_KEYS = ("inner", "shard", "bucket_view", "sharded_checkpoints", "grad_reduce", "overlap", "master_weights",
+                "stage", "local_accumulation")
+_STAGES = ("1", "2")
 _MASTER_WEIGHTS = {"auto": "auto", "true": True, "false": False}
 _GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 _SHARDS = ("auto", "flat", "param")
@@ -85,6 +87,12 @@ def parse_optim_args(optim_args: dict[str, str], params=None) -> dict[str, Any]:
       the blocks before; limits in docs/gradient_path.md);
     - ``master_weights``: ``auto``, ``true`` or ``false``: fp32 master weights for 16-bit
       params, passed to the optimizer only when given (its default applies otherwise);
+    - ``stage``: ``1`` (default) or ``2``: gradients sharded too, and the model not wrapped in
+      DDP (docs/stage2.md); its buckets follow ``ddp_bucket_cap_mb`` and its buffer broadcasts
+      ``ddp_broadcast_buffers``, as DDP's would;
+    - ``local_accumulation``: bool, default false, stage 2 only: with gradient accumulation keep
+      each rank's full local grads until the last micro-batch (DDP's ``no_sync``: fewer bytes
+      sent, a full gradient held) instead of reducing every micro-batch into the shards;
     - the inner optimizer's own options: ``amsgrad`` (bool) for ``adamw*`` and ``adam``;
       ``momentum``, ``dampening`` (numbers) and ``nesterov`` (bool) for ``sgd``;
       ``scale_parameter``, ``relative_step``, ``warmup_init`` (bools), ``clip_threshold``,
@@ -117,6 +125,14 @@ def parse_optim_args(optim_args: dict[str, str], params=None) -> dict[str, Any]:
             f"optim_args: master_weights={optim_args['master_weights']!r} is not valid; choose one of "
             f"{list(_MASTER_WEIGHTS)}"
         )
+    stage = optim_args.get("stage", "1")
+    if stage not in _STAGES:
+        raise ValueError(f"optim_args: stage={stage!r} is not valid; choose one of {list(_STAGES)}")
+    if stage == "2" and grad_reduce != "reduce_scatter":
+        raise ValueError(f"optim_args: stage=2 reduce-scatters the grads: grad_reduce={grad_reduce!r} contradicts it")
+    if "local_accumulation" in optim_args and stage != "2":
+        raise ValueError("optim_args: local_accumulation is a stage=2 option (stage 1 accumulates as DDP does); "
+                         "add stage=2 or remove it")
     if "inner" in optim_args and inner == "adamw_fused":
         refused = _fused_refusal(params)
         if refused is not None:
@@ -129,6 +145,9 @@ def parse_optim_args(optim_args: dict[str, str], params=None) -> dict[str, Any]:
         "overlap_param_sync": _bool("overlap", optim_args.get("overlap", "false")),
         **fixed,
     }
+    if stage == "2":  # passed only then (stage 1 is every core's default)
+        out["stage"] = 2
+        out["local_accumulation"] = _bool("local_accumulation", optim_args.get("local_accumulation", "false"))
     if "master_weights" in optim_args:  # passed only when given (older cores have no such keyword)
         out["master_weights"] = _MASTER_WEIGHTS[optim_args["master_weights"].lower()]
     for key in extra:
@@ -213,8 +232,11 @@ class ZeroBucketFactory:
                 "weight_decay": 0.0,
             },
         ]
+        local_accumulation = kwargs.pop("local_accumulation", None)
         # A decay rule that selects every param or none leaves one group empty: drop it.
         opt = ZeroBucketOptimizer([g for g in groups if g["params"]], **kwargs)
+        if local_accumulation is not None:  # for the bind the Accelerate wiring makes at prepare
+            set_bind_options(opt, local_accumulation=local_accumulation)
         if trainer is not None:
             _TRAINER_OF[opt] = weakref.ref(trainer)
         return opt
