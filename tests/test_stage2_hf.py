@@ -269,10 +269,11 @@ def test_accelerate_stage2_loop_without_ddp_equals_one_process_and_save_load_sta
 
 
 # -- Trainer, 2 ranks and 1 ---------------------------------------------------------------------
-# Freezing and unfreezing mid-run (every param trainable when the model is bound).
+# Freezing and unfreezing mid-run; layer 1 is frozen when the model is bound, unfrozen at step 5.
 SCHEDULE = {2: {"bert.encoder.layer.0.": False}, 3: {"bert.embeddings.": False},
-            5: {"bert.encoder.layer.0.": True, "bert.embeddings.": True}}
-MAIN = dict(schedule=SCHEDULE, gradient_accumulation_steps=2, save_strategy="epoch")
+            5: {"bert.encoder.layer.0.": True, "bert.embeddings.": True, "bert.encoder.layer.1.": True}}
+MAIN = dict(schedule=SCHEDULE, gradient_accumulation_steps=2, save_strategy="epoch",
+            frozen_at_build=("bert.encoder.layer.1.",))
 STAGE2 = "stage=2"
 
 
@@ -309,8 +310,11 @@ def test_trainer_stage2_equals_adamw_and_resumes_across_stages_and_world_sizes(t
         for key in ("loss", "grad_norm"):
             got, want = logged(run, key), logged(reference, key)
             assert [s for s, _ in got] == [s for s, _ in want] and len(got) == 7, (name, key)
+            # Trainer sums the float64 loss into a float32 accumulator (`_tr_loss += ...`) before
+            # logging it: float64 losses that differ in the last bits may log one float32 ulp apart.
             torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]),
-                                       rtol=1e-10, atol=0, msg=lambda m: f"{name} {key}: {m}")
+                                       rtol=2.4e-7 if key == "loss" else 1e-10, atol=0,
+                                       msg=lambda m: f"{name} {key}: {m}")
     for name, run in (("stage 2", stage2), ("stage 1", stage1), ("local accumulation", local), ("resumed 1 -> 2",
                       s1_to_s2), ("resumed 2 -> 1", s2_to_s1), ("stage 2 resumed on 1 rank", s2_on_1)):
         for n, want in reference[0].items():
@@ -328,7 +332,8 @@ def test_trainer_stage2_equals_adamw_and_resumes_across_stages_and_world_sizes(t
     assert cli.main(["consolidate", ckpt, str(tmp_path / "plain.pt")]) == 0
     saved = torch.load(str(tmp_path / "plain.pt"), weights_only=True)
     want = torch.load(str(tmp_path / "reference" / "checkpoint-4" / "optimizer.pt"), weights_only=True)
-    assert saved["state"].keys() == want["state"].keys() and len(saved["state"]) == len(reference[0])
+    # layer 1, frozen until step 5, has no state yet at step 4: the same keys as the reference's
+    assert saved["state"].keys() == want["state"].keys() and 0 < len(saved["state"]) < len(reference[0])
     for i in want["state"]:
         for k in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(saved["state"][i][k], want["state"][i][k], rtol=0, atol=1e-12)
