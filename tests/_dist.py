@@ -31,9 +31,18 @@ def _worker(conn, rank, world_size, port, timeout, env, fn, args, kwargs):
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
         # Plain pickle (not ForkingPickler): tensors travel by value, not by shared memory.
-        conn.send_bytes(pickle.dumps(("ok", fn(rank, world_size, *args, **kwargs))))
+        ok, result = True, pickle.dumps(("ok", fn(rank, world_size, *args, **kwargs)))
     except BaseException:
-        conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
+        ok, result = False, pickle.dumps(("err", traceback.format_exc()))
+    try:
+        conn.send_bytes(result)
+        if ok and dist.is_initialized():
+            # Rank 0 hosts the store every group (subgroups too) is built through, and a forked
+            # rank exits at once: stay until every rank is done with it (the harness kills a rank
+            # still waiting here once another has failed).
+            dist.barrier()
+    except Exception:
+        pass
     finally:
         conn.close()
         if dist.is_initialized():
