@@ -191,3 +191,56 @@ def test_a_checkpoint_costs_no_rank_more_than_a_training_step(kind, dtype_name, 
         assert len(plain["state"]) == len(list(_gpt2(dtype_name).parameters()))
     else:  # each rank's optimizer state, gathered nowhere
         assert sum(f.endswith("-of-00002.safetensors") for f in os.listdir(saved / "hf_zero_optimizer")) == 2
+
+
+# -- stage 2: the grads a rank does not own are gone from its peak ----------------------------------------------
+S2_LAYERS, S2_CAP_MB = 16, 4.0  # 16.8M params, 64 MiB in float32; DDP buckets and stage 2's both one weight
+
+
+def _stage_peak(rank, world_size, stage):
+    """(MiB above the resident size before the model, over 3 steps; the grads' MiB; stage 2's reduce
+    buckets alive at once, MiB). Stage 1: DDP with gradient_as_bucket_view and the reduce-scatter hook."""
+    import hf_zero
+
+    meter = _Meter()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(S2_LAYERS)])
+    opt = hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, stage=stage,
+                                      grad_reduce="reduce_scatter")
+    if stage == 1:
+        module = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=S2_CAP_MB, gradient_as_bucket_view=True)
+        opt.bind_ddp(module)
+    else:
+        module = model
+        opt.bind_module(model, bucket_cap_mb=S2_CAP_MB)
+    x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(rank))
+    buckets = 0
+    for _ in range(3):
+        module(x).square().mean().backward()
+        if stage == 2:
+            buckets = max(buckets, opt.gradient_path.stage2.peak_bucket_bytes)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    grads = sum(p.nbytes for p in model.parameters())
+    return meter.done()["train"], grads / 2**20, buckets / 2**20
+
+
+@pytest.mark.reliability("stage 1 (DDP, gradient_as_bucket_view, reduce-scatter hook) and stage 2 (bind_module, no DDP) "
+                         "training 16 Linear(1024, 1024) for 3 steps, 2 ranks, float32, one weight per bucket",
+                         "stage 2's per-rank peak is stage 1's less the (N-1)/N of the grads it does not own, plus its "
+                         "reduce buckets alive at once")
+@pytest.mark.timeout(120)
+def test_stage2_peak_is_below_stage1_by_the_grads_it_does_not_own(monkeypatch):
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the high-water mark")
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    one = run_ranks(_stage_peak, 2, 1, timeout=100)
+    two = run_ranks(_stage_peak, 2, 2, timeout=100)
+    for rank, ((peak1, grads, _), (peak2, _, buckets)) in enumerate(zip(one, two)):
+        not_owned = grads / 2  # N = 2
+        # at most 3 buckets of one 4 MiB weight alive (MAX_IN_FLIGHT in flight plus one being filled)
+        assert 0 < buckets <= 3 * S2_CAP_MB + 0.1, (rank, buckets)
+        assert peak2 <= peak1 - not_owned + buckets + SLACK_MIB, (rank, peak1, peak2, not_owned, buckets)
+        # and the saving is not lost in the buckets: more than half of the grads not owned
+        assert peak2 < peak1 - not_owned / 2, (rank, peak1, peak2, not_owned)
