@@ -138,6 +138,26 @@ class MasterAdamW(torch.optim.Optimizer):
             p.copy_(m)
 
 
+class _BucketPeak:
+    """A Trainer callback: the most bytes a stage-2 optimizer's reduce buckets held in any backward
+    (read before each step, which resets it). Subclasses TrainerCallback when first built."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class BucketPeak(TrainerCallback):
+            peak = None
+
+            def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+                opt = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's wrapper
+                reducer = opt.gradient_path.stage2 if hasattr(opt, "gradient_path") else None
+                if reducer is None:
+                    raise RuntimeError("optim_args stage=2 did not give a stage-2 hf_zero optimizer")
+                self.peak = max(self.peak or 0, reducer.peak_bucket_bytes)
+
+        return BucketPeak()
+
+
 def _permutation_data(spec: dict, n: int, seed: int):
     g = torch.Generator().manual_seed(1234)  # the task: the same permutation for every run
     perm = torch.randperm(spec["vocab_size"], generator=g)
@@ -182,11 +202,17 @@ def _train(rank: int, row: tuple, *, spec: dict, steps: int, batch: int, lr: flo
         opts = (MasterAdamW(model.parameters(), lr), None) if optim == "reference" else (None, None)
         trainer = Trainer(model=model, args=args, train_dataset=train_data, optimizers=opts)
         trainer.remove_callback(PrinterCallback)
+        buckets = _BucketPeak()
+        if "stage=2" in (optim_args or ""):
+            trainer.add_callback(buckets)
         rss_before = _status_bytes("VmRSS")
         trainer.train()
         out_row = {"params": params, "peak_bytes": _status_bytes("VmHWM"), "rss_before_train_bytes": rss_before,
                    "rss_before_model_bytes": rss_before_model, "optim_args": optim_args,
                    "checkpoints": sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))}
+        if buckets.peak is not None:
+            out_row.update(peak_bucket_bytes=buckets.peak, grad_bytes=sum(p.nbytes for p in model.parameters()
+                                                                         if p.requires_grad))
         if eval_data is not None:
             out_row["eval_loss"] = trainer.evaluate(eval_data)["eval_loss"]
             out_row["train_loss"] = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
@@ -371,14 +397,19 @@ def stage2_checks(mem: dict, world_size: int) -> dict:
     and the backward's peak above the forward's <= one layer's grads (the largest param) + those buckets."""
     out = {}
     for name, m in mem.items():
-        if name not in RAW_ROWS or RAW_ROWS[name][1] != "stage2":
+        if name in RAW_ROWS and RAW_ROWS[name][1] == "stage2":
+            one = name.replace("stage2", "stage1").replace("_no_sync", "")
+        elif name in MEMORY_ROWS and "stage=2" in (MEMORY_ROWS[name][2] or "") and "grad_bytes" in m:
+            one = name.replace("_stage2", "")  # Trainer: the same row at stage 1 (no backward bound: no phases)
+        else:
             continue
-        one = name.replace("stage2", "stage1").replace("_no_sync", "")
         grads, buckets = m["grad_bytes"], m["peak_bucket_bytes"]
-        check = {"grad_bytes": grads, "peak_bucket_bytes": buckets, "largest_grad_bytes": m["largest_grad_bytes"],
-                 "backward_over_forward_per_rank": m["backward_over_forward_per_rank"]}
-        check["backward_bound_bytes"] = m["largest_grad_bytes"] + buckets
-        check["backward_met"] = max(m["backward_over_forward_per_rank"]) <= check["backward_bound_bytes"]
+        check = {"grad_bytes": grads, "peak_bucket_bytes": buckets}
+        if "backward_over_forward_per_rank" in m:
+            check.update(largest_grad_bytes=m["largest_grad_bytes"],
+                         backward_over_forward_per_rank=m["backward_over_forward_per_rank"],
+                         backward_bound_bytes=m["largest_grad_bytes"] + buckets)
+            check["backward_met"] = max(m["backward_over_forward_per_rank"]) <= check["backward_bound_bytes"]
         if one in mem:
             bound = [p - (world_size - 1) / world_size * grads + buckets for p in mem[one]["peak_bytes_per_rank"]]
             check["vs"] = one
@@ -401,6 +432,9 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
                      "breakdown": breakdown(name, cfg.get("world_size", WORLD_SIZE))}
         mem[name]["above_baseline_per_rank"] = [r["peak_bytes"] - r["rss_before_model_bytes"] for r in per_rank]
         mem[name]["checkpoints"] = per_rank[0]["checkpoints"]
+        if name in MEMORY_ROWS and "grad_bytes" in per_rank[0]:  # Trainer, stage 2
+            mem[name].update(grad_bytes=per_rank[0]["grad_bytes"],
+                             peak_bucket_bytes=max(r["peak_bucket_bytes"] for r in per_rank))
         if name in RAW_ROWS:
             acc = RAW_ROWS[name][2]
             steady = [{k: max(_steady(v, 1 if k == "step" else acc)) for k, v in r["phase_peaks"].items()}
@@ -471,6 +505,12 @@ def _raw_markdown(res: dict, rows: dict) -> list[str]:
         worst = max(abs(a - b) / abs(b) for _, ls in runs for a, b in zip(ls, ref))
         lines += [f"Losses ({dtype}, rank 0, {len(ref)} micro-batches): {', '.join(f'`{r}`' for r, _ in runs)} agree "
                   f"to a relative {worst:.1e} (first: {', '.join(f'{x:.4f}' for x in ref[:3])}, ...).", ""]
+    return lines
+
+
+def _checks_markdown(res: dict) -> list[str]:
+    n = res["config"].get("world_size", WORLD_SIZE)
+    lines: list[str] = []
     checks = res.get("stage2", {})
     if checks:
         lines += [f"Issue 30's bounds, per rank (N = {n}): stage 2's peak at most stage 1's peak - (N-1)/N of the grad "
@@ -481,7 +521,7 @@ def _raw_markdown(res: dict, rows: dict) -> list[str]:
                   "saved vs stage 1 MiB | met | backward - forward MiB | its bound MiB | met |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, c in checks.items():
-            m = rows[name]
+            m = res["memory"][name]
             grads = (n - 1) / n * c["grad_bytes"]
             head = f"| `{name}` | `{c.get('vs', '-')}` | {_mib(grads)} | {_mib(c['peak_bucket_bytes'])} | "
             if "vs" in c:
@@ -491,8 +531,12 @@ def _raw_markdown(res: dict, rows: dict) -> list[str]:
                          f"{' / '.join(_mib(b) for b in c['saved_bytes_per_rank'])} | {'yes' if c['met'] else 'no'} | ")
             else:
                 head += "- | - | - | - | - | "
-            lines.append(head + f"{' / '.join(_mib(b) for b in c['backward_over_forward_per_rank'])} | "
+            if "backward_bound_bytes" in c:
+                head += (f"{' / '.join(_mib(b) for b in c['backward_over_forward_per_rank'])} | "
                          f"{_mib(c['backward_bound_bytes'])} | {'yes' if c['backward_met'] else 'no'} |")
+            else:
+                head += "- | - | - |"
+            lines.append(head)
         lines.append("")
     return lines
 
@@ -532,6 +576,7 @@ def markdown(res: dict, figures: list[str]) -> str:
                       "rank writes its own optimizer state (no gather); `_plain` rows pass `sharded_checkpoints=false`, "
                       "so rank 0 also streams a plain `optimizer.pt`. Acceptance: every rank's peak at most "
                       f"{SAVE_BOUND}x the same run's without saves.", ""]
+    lines += _checks_markdown(res)
     if res["precision"]:
         lines += [f"bf16 precision: tiny GPT-2 on the permutation task, `bf16=True`, lr {cfg['lr']}, "
                   f"{cfg['precision_steps']} steps, global batch 16, seeds {cfg['seeds']} (uniform loss 5.55):", "",
