@@ -676,6 +676,16 @@ def summary_markdown(runs: list[dict]) -> str:
             pooled = pooled_median([x for row in rows for x in row["ratios"]])
             lines.append(f"| {b} | `{n}` | " + " | ".join(f"{row['ratio_median']:.3f}" for row in rows)
                          + f" | {pooled} |")
+    for b in batches:  # stage 2 / stage 1, paired within rounds (runs that timed both)
+        rows = [r.get("stage2_vs_stage1", {}).get(b) for r in runs]
+        if all(rows):
+            lines.append(f"| {b} | `hf_zero_stage2` / `{STAGE1}` | " + " | ".join(f"{row['median']:.3f}" for row in rows)
+                         + f" | {pooled_median([x for row in rows for x in row['ratios']])} |")
+    rows = [(r.get("accumulation") or {}).get("stage2_each_vs_no_sync") for r in runs]
+    if all(rows):
+        lines.append(f"| {runs[0]['config']['accumulation']} x 1 | `hf_zero_stage2/each` / `hf_zero_stage2/no_sync` | "
+                     + " | ".join(f"{row['median']:.3f}" for row in rows)
+                     + f" | {pooled_median([x for row in rows for x in row['ratios']])} |")
     if all(r["trainer"].get("measured") for r in runs):
         for ref in TRAINER_REFERENCES:
             for b in runs[0]["trainer"]["batches"]:
