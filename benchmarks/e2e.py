@@ -17,7 +17,14 @@ contender in its own DistributedDataParallel (``gradient_as_bucket_view=True``):
                            blocking param sync in the step
 ``hf_zero_rs_overlap``     the same, param sync overlapped with the next forward
                            (each GPT-2 block waits for its own params' sync)
+``hf_zero_stage2``         hf_zero ``stage=2``: no DDP, ``bind_module``; its own
+                           reducer reduce-scatters grads as the backward makes them
 =========================  ====================================================
+
+Accumulation (``ACCUMULATION``): every optimizer step runs ``accumulation``
+micro-batches of one sequence, either under ``no_sync()`` for all but the last (DDP, stage 1
+and stage 2: full local grads until the boundary) or reducing every micro-batch into the
+shard (stage 2's default); timed in the same rounds, bytes counted per optimizer step.
 
 Every contender but ``ddp_adamw`` steps with the fused AdamW kernel (hf_zero's default
 inner optimizer under Trainer). Rounds are paired and interleaved (every contender once per round, in a seeded
@@ -37,6 +44,7 @@ second. ``--dtype bfloat16`` loads the model in bf16 (Trainer with ``bf16=True``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -68,12 +76,22 @@ CONTENDERS = {
     "hf_zero_all_reduce": ("hf_zero", "all_reduce", False),
     "hf_zero_reduce_scatter": ("hf_zero", "reduce_scatter", False),
     "hf_zero_rs_overlap": ("hf_zero", "reduce_scatter", True),
+    "hf_zero_stage2": ("hf_zero_stage2", "reduce_scatter", False),
+}
+STAGE1 = "hf_zero_reduce_scatter"  # stage 1 as Trainer runs it: the paired reference of stage 2
+# accumulation row -> (contender, no_sync() for all but the last micro-batch)
+ACCUMULATION = {
+    "ddp_adamw_fused/no_sync": ("ddp_adamw_fused", True),
+    "hf_zero_reduce_scatter/no_sync": ("hf_zero_reduce_scatter", True),
+    "hf_zero_stage2/each": ("hf_zero_stage2", False),
+    "hf_zero_stage2/no_sync": ("hf_zero_stage2", True),
 }
 TRAINER_OPTIMS = ("adamw_torch_fused", "adamw_torch", "zero_bucket")
 TRAINER_REFERENCES = ("adamw_torch_fused", "adamw_torch")  # Trainer's default first
 GOALS = {1: 0.95, 4: 0.97}  # issue 10: <= 0.95x DDP at batch 1, <= 0.97x at batch 4, never above 1.0
 # issue 29: Trainer zero_bucket / Trainer's default optimizer, per model dtype and batch
 TRAINER_GOALS = {"float32": {1: 0.97, 4: 0.99}, "bfloat16": {1: 1.0, 4: 1.0}}
+STAGE2_GOAL = 1.02  # issue 30: stage 2's iteration at most 1.02x stage 1's, paired
 LR = 1e-4
 WORLD_SIZE = 2
 
@@ -86,6 +104,7 @@ FULL = {
     "burst": 2,
     "rounds": 10,
     "trainer": {"batches": [1, 4], "warmup": 4, "steps": 8, "rounds": 3},
+    "accumulation": 4,  # micro-batches of 1 sequence per optimizer step (ACCUMULATION); 0: not run
     "timeout_s": 2400,  # ~5 min on 2 idle cores; this shared machine has run it 3x slower
 }
 SMOKE = {**FULL, "model": dict(vocab_size=512, n_positions=16, n_embd=32, n_layer=2, n_head=2), "seq": 16,
@@ -119,6 +138,10 @@ def build_contender(name: str, template, *, visible_all_reduce: bool):
     family, grad_reduce, overlap = CONTENDERS[name]
     model = copy.deepcopy(template)
     model.train()
+    if family == "hf_zero_stage2":  # no DDP: the model is what the loop calls
+        opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, lr=LR, fused=True, stage=2)
+        opt.bind_module(model)
+        return model, opt
     if family in ("adamw", "adamw_fused"):
         opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=family == "adamw_fused" or None)
     elif family == "torch_zero":
@@ -138,8 +161,13 @@ def build_contender(name: str, template, *, visible_all_reduce: bool):
     return ddp, opt
 
 
-def run_iteration(ddp, opt, batch) -> None:
-    ddp(input_ids=batch, labels=batch).loss.backward()
+def run_iteration(ddp, opt, batch, no_sync: bool | None = None) -> None:
+    """One optimizer step on ``batch``, or, given ``no_sync`` (accumulation), on each micro-batch of the
+    list ``batch`` (``no_sync``: all but the last under ``ddp.no_sync()``)."""
+    micro = [batch] if no_sync is None else batch
+    for i, x in enumerate(micro):
+        with ddp.no_sync() if no_sync and i + 1 < len(micro) else contextlib.nullcontext():
+            ddp(input_ids=x, labels=x).loss.backward()
     opt.step()
     opt.zero_grad()
 
@@ -173,8 +201,10 @@ def e2e_rank(rank: int, world_size: int, cfg: dict) -> dict:
         clock = now
 
     template = template_model(cfg["model"], cfg.get("dtype", "float32"))
-    names = list(CONTENDERS)
+    names = cfg.get("contenders") or list(CONTENDERS)
+    accumulated = [a for a in ACCUMULATION if ACCUMULATION[a][0] in names] if cfg.get("accumulation") else []
     data = {b: make_batches(cfg, rank, b) for b in cfg["batches"]}
+    micro = [make_batches(cfg, rank, 1, cfg["accumulation"])] * 2 if accumulated else []  # burst: the same step twice
     b0 = cfg["batches"][0]
     counter = CollectiveCounter()
     out = {
@@ -184,6 +214,7 @@ def e2e_rank(rank: int, world_size: int, cfg: dict) -> dict:
         "param_bytes": sum(p.nbytes for p in template.parameters()),
         "counted": {},
         "burst_s": {b: {n: [] for n in names} for b in cfg["batches"]},
+        "accumulation_s": {a: [] for a in accumulated},
         "phases_s": phases,
     }
     phase("setup")
@@ -207,6 +238,9 @@ def e2e_rank(rank: int, world_size: int, cfg: dict) -> dict:
             for i in range(cfg["warmup"] - 1):
                 run_iteration(ddp, opt, data[b0][i % len(data[b0])])
             out["counted"][name] = _counted(counter, ddp, opt, data[b0][0])
+        for a in accumulated:  # one optimizer step of `accumulation` micro-batches
+            name, no_sync = ACCUMULATION[a]
+            out["counted"][a] = _counted(counter, *live[name], micro[0], no_sync)
         counter.uninstall()
         phase("warmup")
         for r in range(cfg["rounds"]):
@@ -214,6 +248,9 @@ def e2e_rank(rank: int, world_size: int, cfg: dict) -> dict:
                 for name in random.Random(f"{r}-{b}").sample(names, len(names)):
                     ddp, opt = live[name]
                     out["burst_s"][b][name].append(_burst(ddp, opt, data[b], cfg["burst"]))
+            for a in random.Random(f"{r}-accumulation").sample(accumulated, len(accumulated)):
+                name, no_sync = ACCUMULATION[a]
+                out["accumulation_s"][a].append(_burst(*live[name], micro, cfg["burst"], no_sync))
         del live
         gc.collect()
         phase("rounds")
@@ -226,24 +263,24 @@ def e2e_rank(rank: int, world_size: int, cfg: dict) -> dict:
     return out
 
 
-def _counted(counter: CollectiveCounter, ddp, opt, batch) -> dict:
+def _counted(counter: CollectiveCounter, ddp, opt, batch, no_sync: bool | None = None) -> dict:
     """The collectives one iteration calls from Python (the overlapped sync is issued, and
     counted, in the step; waited for after)."""
     with counter.recording():
-        run_iteration(ddp, opt, batch)
+        run_iteration(ddp, opt, batch, no_sync)
     drain_sync(opt)
     return counter.summary()
 
 
-def _burst(ddp, opt, batches, burst: int) -> float:
+def _burst(ddp, opt, batches, burst: int, no_sync: bool | None = None) -> float:
     """Seconds per steady iteration over ``burst - 1`` iterations (module docstring)."""
     import torch.distributed as dist
 
     dist.barrier()
-    run_iteration(ddp, opt, batches[0])
+    run_iteration(ddp, opt, batches[0], no_sync)
     t0 = time.perf_counter()
     for i in range(1, burst):
-        run_iteration(ddp, opt, batches[i % len(batches)])
+        run_iteration(ddp, opt, batches[i % len(batches)], no_sync)
     dt = time.perf_counter() - t0
     drain_sync(opt)
     return dt / (burst - 1)
@@ -254,6 +291,8 @@ def _trainer_rank(rank, world_size, template, cfg) -> dict:
     from transformers.training_args import OptimizerNames
 
     tcfg = cfg["trainer"]
+    if not tcfg["rounds"]:
+        return {"measured": False, "why": "not run: `--no-trainer`"}
     if not any(o.value == "zero_bucket" for o in OptimizerNames):
         return {"measured": False, "why": "`import hf_zero` does not register optim='zero_bucket' in this checkout"}
     steps = {b: {o: [] for o in TRAINER_OPTIMS} for b in tcfg["batches"]}
@@ -367,16 +406,18 @@ def _median(xs):
 
 def analyse(ranks: list[dict], cfg: dict, env: dict) -> dict:
     r0 = ranks[0]
-    names = [] if cfg.get("trainer_only") else list(CONTENDERS)
+    names = [] if cfg.get("trainer_only") else cfg.get("contenders") or list(CONTENDERS)
     psi = r0["param_bytes"]
     ddp_model_bytes = 2 * psi * (WORLD_SIZE - 1) / WORLD_SIZE
     ddp_ar = [r["counted"]["ddp_all_reduce"] for r in ranks] if names else []
     counted = {}
-    for name in names:
+    accumulated = [a for a in ACCUMULATION if a in r0["counted"]]
+    for name in names + accumulated:
         own = [r["counted"][name] for r in ranks]
         # Contenders that leave DDP's all-reduce in place move its bytes too (invisible in
-        # the timed instance: DDP's C++ reducer calls the process group directly).
-        keeps_ddp = CONTENDERS[name][1] != "reduce_scatter"
+        # the timed instance: DDP's C++ reducer calls the process group directly; under
+        # no_sync() once per optimizer step).
+        keeps_ddp = CONTENDERS[ACCUMULATION.get(name, (name,))[0]][1] != "reduce_scatter"
         add = ddp_ar if keeps_ddp else [{"collectives": 0, "by_kind": {}, "payload_bytes": 0, "wire_bytes": 0}] * len(own)
         counted[name] = {
             "ddp_all_reduce_kept": keeps_ddp,
@@ -388,7 +429,7 @@ def analyse(ranks: list[dict], cfg: dict, env: dict) -> dict:
     ddp_wire = max(counted[BASELINE]["wire_bytes_per_rank"]) if counted else None
     for c in counted.values():
         c["wire_over_ddp"] = max(c["wire_bytes_per_rank"]) / ddp_wire if ddp_wire else None
-    tables = {}
+    tables, stage2_vs_stage1 = {}, {}  # the latter paired with stage 1 as Trainer runs it, per batch
     for b in cfg["batches"] if names else ():
         # A burst lasts as long as its slowest rank.
         per = {n: [max(ts) for ts in zip(*(r["burst_s"][b][n] for r in ranks))] for n in names}
@@ -407,8 +448,20 @@ def analyse(ranks: list[dict], cfg: dict, env: dict) -> dict:
                 "ratios": ratios,
             }
         tables[b] = rows
+        if "hf_zero_stage2" in per and STAGE1 in per:
+            stage2_vs_stage1[str(b)] = _ratios([x / y for x, y in zip(per["hf_zero_stage2"], per[STAGE1])])
     trainer = _analyse_trainer([r["trainer"] for r in ranks], cfg)
     dtype = cfg.get("dtype", "float32")
+    accumulation = {}
+    if accumulated:
+        per = {a: [max(ts) for ts in zip(*(r["accumulation_s"][a] for r in ranks))] for a in accumulated}
+        base = per[accumulated[0]]
+        for a in accumulated:
+            accumulation[a] = {"step_ms_median": 1e3 * _median(per[a]), "vs_ddp": _ratios([x / y for x, y in zip(per[a], base)]),
+                               "wire_bytes_per_rank": counted[a]["wire_bytes_per_rank"],
+                               "wire_over_ddp": counted[a]["wire_over_ddp"]}
+        accumulation["stage2_each_vs_no_sync"] = None if "hf_zero_stage2/each" not in per else _ratios(
+            [x / y for x, y in zip(per["hf_zero_stage2/each"], per["hf_zero_stage2/no_sync"])])
     return {
         "env": env,
         "config": cfg,
@@ -418,8 +471,14 @@ def analyse(ranks: list[dict], cfg: dict, env: dict) -> dict:
         "bytes": counted,
         "iteration": {str(b): rows for b, rows in tables.items()},
         "trainer": trainer,
-        "goals": _goals(tables, trainer, dtype),
+        "accumulation": accumulation,
+        "stage2_vs_stage1": stage2_vs_stage1,
+        "goals": _goals(tables, trainer, dtype, stage2_vs_stage1),
     }
+
+
+def _ratios(xs: list[float]) -> dict:
+    return {"median": _median(xs), "min": min(xs), "max": max(xs), "quartiles": _quartiles(xs), "ratios": xs}
 
 
 def _quartiles(xs):
@@ -449,7 +508,7 @@ def _analyse_trainer(per_rank: list[dict], cfg: dict) -> dict:
     return {"measured": True, "batches": rows, "zero_bucket_path": per_rank[0]["zero_bucket_path"]}
 
 
-def _goals(tables, trainer, dtype: str = "float32") -> list[dict]:
+def _goals(tables, trainer, dtype: str = "float32", stage2_vs_stage1=None) -> list[dict]:
     goals = []
     for b, rows in tables.items():
         bound = GOALS.get(b)
@@ -458,6 +517,10 @@ def _goals(tables, trainer, dtype: str = "float32") -> list[dict]:
             if bound is not None:
                 goals.append({"batch": b, "who": n, "goal": f"<= {bound}", "median": r, "met": r <= bound})
             goals.append({"batch": b, "who": n, "goal": "<= 1.0", "median": r, "met": r <= 1.0})
+        if str(b) in (stage2_vs_stage1 or {}):  # issue 30 asks it of Trainer; here in raw loops
+            r = stage2_vs_stage1[str(b)]["median"]
+            goals.append({"batch": b, "who": f"hf_zero_stage2 / {STAGE1}", "goal": f"<= {STAGE2_GOAL}",
+                          "median": r, "met": r <= STAGE2_GOAL})
     if trainer.get("measured"):
         for b, row in trainer["batches"].items():
             bound = TRAINER_GOALS.get(dtype, {}).get(int(b), 1.0)
@@ -500,7 +563,7 @@ def markdown(res: dict) -> str:
                                        f"| ms | rounds > 1.0" for b in cfg["batches"]) + " |",
         "|---|" + "---|---|---|---|" * len(cfg["batches"]),
     ]
-    for n in CONTENDERS if res["iteration"] else ():
+    for n in next(iter(res["iteration"].values()), ()):
         cells = []
         for b in cfg["batches"]:
             r = res["iteration"][str(b)][n]
@@ -510,6 +573,9 @@ def markdown(res: dict) -> str:
                       "-" if second is None else f"{second:.3f}",
                       f"{r['iteration_ms_median']:.0f}", f"{r['rounds_slower_than_ddp']}/{len(r['ratios'])}"]
         lines.append(f"| `{n}` | " + " | ".join(cells) + " |")
+    if res.get("stage2_vs_stage1"):
+        lines += ["", f"`hf_zero_stage2` / `{STAGE1}` (stage 2 against stage 1 as Trainer runs it), paired within each round: "
+                  + "; ".join(f"batch {b}: " + _ratio_cell(r) for b, r in res["stage2_vs_stage1"].items()) + "."]
     psi = m["param_bytes"]
     lines += [
         "",
@@ -534,6 +600,20 @@ def markdown(res: dict) -> str:
         "their comm hook, counted directly. hf_zero's all-reduces besides DDP's are its 24-byte layout agreement "
         "and, with reduce-scatter, the 4-byte finite-gradient flag.",
     ]
+    acc = res.get("accumulation")
+    if acc:
+        lines += ["", f"Accumulation: {cfg['accumulation']} micro-batches of 1 sequence per optimizer step, timed in the "
+                  f"same rounds (a burst of {cfg['burst']} optimizer steps, the first untimed), bytes counted over one "
+                  "optimizer step:", "",
+                  f"| row | ms per optimizer step | ratio to `{next(iter(acc))}` median [min, max] (quartiles) | "
+                  "wire MiB per rank per optimizer step (rank 0 / rank 1) | vs DDP's |", "|---|---|---|---|---|"]
+        for a, row in acc.items():
+            if a in ACCUMULATION:
+                lines.append(f"| `{a}` | {row['step_ms_median']:.0f} | {_ratio_cell(row['vs_ddp'])} | "
+                             f"{' / '.join(_mib(w) for w in row['wire_bytes_per_rank'])} | {row['wire_over_ddp']:.3f} |")
+        if acc["stage2_each_vs_no_sync"]:
+            lines += ["", "`hf_zero_stage2/each` / `hf_zero_stage2/no_sync`, paired: "
+                      + _ratio_cell(acc["stage2_each_vs_no_sync"]) + "."]
     if not res["iteration"]:  # --trainer-only: the lines above describe nothing that ran
         lines = lines[:3 if not env.get("smoke") else 4] + ["", "DDP rounds and bytes: not run (`--trainer-only`)."]
     t = res["trainer"]
@@ -568,6 +648,11 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _ratio_cell(r: dict) -> str:
+    q = r["quartiles"]
+    return f"{r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}] ({q[0]:.3f}-{q[1]:.3f}), {len(r['ratios'])} rounds"
+
+
 def _run_label(res: dict) -> str:
     env = res["env"]
     return (f"{env['date_utc']}, {env['cpu_count']} cores, load {env['load_start']:.1f}-{env['load_end']:.1f}, "
@@ -585,12 +670,22 @@ def summary_markdown(runs: list[dict]) -> str:
     batches = [str(b) for b in runs[0]["config"]["batches"]]
     for b in batches:
         for n in CONTENDERS:
-            if n == BASELINE:
+            if n == BASELINE or any(n not in r["iteration"][b] for r in runs):  # older runs lack newer contenders
                 continue
             rows = [r["iteration"][b][n] for r in runs]
             pooled = pooled_median([x for row in rows for x in row["ratios"]])
             lines.append(f"| {b} | `{n}` | " + " | ".join(f"{row['ratio_median']:.3f}" for row in rows)
                          + f" | {pooled} |")
+    for b in batches:  # stage 2 / stage 1, paired within rounds (runs that timed both)
+        rows = [r.get("stage2_vs_stage1", {}).get(b) for r in runs]
+        if all(rows):
+            lines.append(f"| {b} | `hf_zero_stage2` / `{STAGE1}` | " + " | ".join(f"{row['median']:.3f}" for row in rows)
+                         + f" | {pooled_median([x for row in rows for x in row['ratios']])} |")
+    rows = [(r.get("accumulation") or {}).get("stage2_each_vs_no_sync") for r in runs]
+    if all(rows):
+        lines.append(f"| {runs[0]['config']['accumulation']} x 1 | `hf_zero_stage2/each` / `hf_zero_stage2/no_sync` | "
+                     + " | ".join(f"{row['median']:.3f}" for row in rows)
+                     + f" | {pooled_median([x for row in rows for x in row['ratios']])} |")
     if all(r["trainer"].get("measured") for r in runs):
         for ref in TRAINER_REFERENCES:
             for b in runs[0]["trainer"]["batches"]:
@@ -615,13 +710,11 @@ def pooled_median(ratios: list[float]) -> str:
     return f"{_median(ratios):.3f} ({medians[50]:.3f}-{medians[1949]:.3f})"
 
 
-def write_docs(doc: Path, md: str, dtype: str = "float32") -> None:
-    """The e2e section of ``doc`` (a section of its own for a bf16 model)."""
-    if dtype == "float32":
-        replace_section(doc, BEGIN, END, md)
-    else:
-        replace_section(doc, BEGIN.replace("e2e:", f"e2e-{dtype}:").replace("e2e;", f"e2e --dtype {dtype};"),
-                        END.replace("e2e:", f"e2e-{dtype}:"), md)
+def write_docs(doc: Path, md: str, dtype: str = "float32", section: str | None = None) -> None:
+    """The e2e section of ``doc`` (a section of its own for a bf16 model, and for a named ``section``)."""
+    name = "e2e" + ("" if dtype == "float32" else f"-{dtype}") + (f"-{section}" if section else "")
+    flags = ("" if dtype == "float32" else f" --dtype {dtype}") + (f" --section {section}" if section else "")
+    replace_section(doc, BEGIN.replace("e2e:", f"{name}:").replace("e2e;", f"e2e{flags};"), END.replace("e2e:", f"{name}:"), md)
 
 
 def main(argv=None) -> int:
@@ -632,11 +725,17 @@ def main(argv=None) -> int:
                                                      "(default: docs/benchmarks.md for a full run, none for --smoke)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the model's dtype (bfloat16: loaded in bf16, Trainer with bf16=True)")
+    parser.add_argument("--rounds", type=int, default=None, metavar="N", help="paired DDP rounds (default 10)")
     parser.add_argument("--trainer-rounds", type=int, default=None, metavar="N",
                         help="paired Trainer runs per batch size (default 3; more narrow the Trainer ratio)")
     parser.add_argument("--render", nargs="+", metavar="E2E_JSON", default=None,
                         help="run nothing: write the section from saved runs' e2e.json files (the last one in "
                              "full, then every run's medians side by side) to --docs (default docs/benchmarks.md)")
+    parser.add_argument("--no-trainer", action="store_true", help="leave out the Trainer rows")
+    parser.add_argument("--section", default=None, help="write the docs section e2e-SECTION (a partial run: "
+                                                        "--contenders, --no-trainer) instead of the main one")
+    parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=None,
+                        help=f"time only these (with {BASELINE} and {SECOND}, which the ratios need)")
     parser.add_argument("--trainer-only", action="store_true",
                         help="run only the Trainer rows (no DDP rounds, no byte counts)")
     parser.add_argument("--profile", action="store_true",
@@ -650,13 +749,21 @@ def main(argv=None) -> int:
         if len(runs) > 1:
             md += "\n### Every run\n\n" + summary_markdown(runs)
         docs = Path(args.docs or ROOT / "docs" / "benchmarks.md")
-        write_docs(docs, md, runs[-1]["config"].get("dtype", "float32"))
+        write_docs(docs, md, runs[-1]["config"].get("dtype", "float32"), args.section)
         print(md)
         print(f"updated {docs}")
         return 0
     cfg = copy.deepcopy(SMOKE if args.smoke else FULL)
     cfg["dtype"] = args.dtype
     cfg["trainer_only"] = args.trainer_only
+    if args.no_trainer:
+        cfg["trainer"]["rounds"] = 0
+    if args.rounds is not None:
+        if args.rounds < 1:
+            parser.error(f"--rounds must be at least 1, got {args.rounds}")
+        cfg["rounds"] = args.rounds
+    if args.contenders:
+        cfg["contenders"] = [n for n in CONTENDERS if n in {BASELINE, SECOND, *args.contenders}]
     if args.trainer_rounds is not None:
         if args.trainer_rounds < 1:
             parser.error(f"--trainer-rounds must be at least 1, got {args.trainer_rounds}")
@@ -682,7 +789,7 @@ def main(argv=None) -> int:
     (out / "e2e.md").write_text(md)
     docs = args.docs if args.docs is not None else (None if args.smoke else str(ROOT / "docs" / "benchmarks.md"))
     if docs:
-        write_docs(Path(docs), md, args.dtype)
+        write_docs(Path(docs), md, args.dtype, args.section)
     print(md)
     print(f"wrote {out / 'e2e.json'}, {out / 'e2e.md'}" + (f"; updated {docs}" if docs else ""))
     return 0

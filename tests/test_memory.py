@@ -191,3 +191,4 @@ def test_a_checkpoint_costs_no_rank_more_than_a_training_step(kind, dtype_name, 
         assert len(plain["state"]) == len(list(_gpt2(dtype_name).parameters()))
     else:  # each rank's optimizer state, gathered nowhere
         assert sum(f.endswith("-of-00002.safetensors") for f in os.listdir(saved / "hf_zero_optimizer")) == 2
+
