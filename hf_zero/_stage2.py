@@ -363,6 +363,17 @@ class Reducer:
 
     def _put_grad(self, i: int, p: torch.Tensor) -> None:
         b, offset, numel = self._plan.where[i]
+        g, spec = p.grad, self._plan.layout.buffers[b]
+        if (b not in self._filling and offset == 0 and numel == self._plan.sizes[b] and g._base is None
+                and g.is_contiguous() and g.dtype == spec.dtype and g.device == spec.device):
+            # The bucket is this one grad (a param above the cap, e.g. an embedding): reduce
+            # it in its own storage, which nothing else holds once p.grad lets go, not a copy.
+            self._filling[b] = g.view(-1)
+            self._count_bucket(g.nbytes)
+            self._placed.add(i)
+            p.grad = None
+            self.touched.add(i)
+            return
         slot = self._bucket(b)[offset : offset + numel]
         if i in self._placed:  # a second grad in one backward (nested backwards): summed as autograd would
             slot.add_(p.grad.reshape(-1))
@@ -377,9 +388,12 @@ class Reducer:
         if buf is None:
             plan = self._plan.layout.buffers[b]
             buf = self._filling[b] = torch.zeros(self._plan.sizes[b], dtype=plan.dtype, device=plan.device)
-            self.bucket_bytes += buf.nbytes
-            self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes)
+            self._count_bucket(buf.nbytes)
         return buf
+
+    def _count_bucket(self, nbytes: int) -> None:
+        self.bucket_bytes += nbytes
+        self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes)
 
     def _launch_ready(self) -> None:
         while self._next < len(self._left) and self._left[self._next] == 0:
@@ -408,6 +422,10 @@ class Reducer:
             shard.copy_(buf[lo:hi])
             self._written.add(b)
         self.bucket_bytes -= buf.nbytes
+        # gloo keeps a collective's work, and the bucket it sends, a while after it completes
+        # ([Note: no Python on communication threads]): without this, every bucket of every
+        # backward in the last second or two stays alive, a full set of grads per fast step.
+        self.comm.release_completed_works()
 
     def _end_of_backward(self) -> None:
         params = self._table().params

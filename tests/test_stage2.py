@@ -337,6 +337,41 @@ def test_no_full_gradient_is_alive_after_the_backward():
             assert shards <= total / world_size + 8 * 64, (shards, total / world_size)
 
 
+def _resident_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def _resident_over_steps(rank, world_size, steps):
+    import gc
+
+    from hf_zero import ZeroBucketOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])  # 64 MiB of fp32 grads
+    opt = ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, stage=2)
+    opt.bind_module(model, bucket_cap_mb=4)
+    resident = []
+    for _ in range(steps):
+        model(torch.randn(8, 1024)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        gc.collect()
+        resident.append(_resident_mib())
+    return resident
+
+
+@pytest.mark.timeout(120)
+def test_resident_memory_does_not_grow_from_step_to_step(monkeypatch):
+    """gloo keeps a collective's work (and the bucket it sends) a while after it completes:
+    the reducer lets its finished buckets go, or fast steps kept a full set of grads more
+    per step (64 MiB here: 247 -> 314 -> 378 MiB before). Fresh ranks, glibc returning
+    freed blocks (as tests/test_memory.py)."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    for resident in run_ranks(_resident_over_steps, 2, 8, timeout=100, fresh=True):
+        assert resident[-1] - resident[2] < 16, resident  # a quarter of the grads, not one set per step
+
+
 @pytest.mark.timeout(220)
 def test_params_and_buffers_are_broadcast_from_rank_0_at_bind():
     per_rank = _lot_results()
