@@ -647,13 +647,15 @@ def _measure(mem_rows: list[str], prec_rows: list[str], cfg: dict, *, one_spawn:
         for group in ([mem_rows] if one_spawn else [[r] for r in mem_rows]):
             if group:
                 t0 = time.monotonic()
-                per_rank = run_ranks(_memory_rank, cfg.get("world_size", WORLD_SIZE), group, cfg, timeout=cfg["timeout_s"])
+                per_rank = run_ranks(_memory_rank, cfg.get("world_size", WORLD_SIZE), group, cfg, timeout=cfg["timeout_s"],
+                                     fresh=True)  # high-water marks of fresh processes (not forked)
                 memory.update({n: [r[n] for r in per_rank] for n in group})
                 print(f"{' '.join(group)}: {time.monotonic() - t0:.0f} s, peak MiB per rank "
                       + "; ".join(" / ".join(f"{r[n]['peak_bytes'] / 2**20:.0f}" for r in per_rank) for n in group),
                       file=sys.stderr, flush=True)
         if prec_rows:
-            per_rank = run_ranks(_precision_rank, cfg.get("world_size", WORLD_SIZE), prec_rows, cfg, timeout=cfg["timeout_s"])
+            per_rank = run_ranks(_precision_rank, cfg.get("world_size", WORLD_SIZE), prec_rows, cfg,
+                                 timeout=cfg["timeout_s"], fresh=True)
             precision = {k: [r[k] for r in per_rank] for k in per_rank[0]}
     finally:
         shared.cleanup()
