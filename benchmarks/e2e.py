@@ -86,7 +86,10 @@ ACCUMULATION = {
     "hf_zero_stage2/each": ("hf_zero_stage2", False),
     "hf_zero_stage2/no_sync": ("hf_zero_stage2", True),
 }
-TRAINER_OPTIMS = ("adamw_torch_fused", "adamw_torch", "zero_bucket")
+TRAINER_OPTIMS = ("adamw_torch_fused", "adamw_torch", "zero_bucket", "zero_bucket_stage2")
+# Trainer row -> (optim, optim_args)
+TRAINER_RUNS = {"zero_bucket_stage2": ("zero_bucket", "stage=2")}
+TRAINER_HF = ("zero_bucket", "zero_bucket_stage2")
 TRAINER_REFERENCES = ("adamw_torch_fused", "adamw_torch")  # Trainer's default first
 GOALS = {1: 0.95, 4: 0.97}  # issue 10: <= 0.95x DDP at batch 1, <= 0.97x at batch 4, never above 1.0
 # issue 29: Trainer zero_bucket / Trainer's default optimizer, per model dtype and batch
@@ -107,6 +110,8 @@ FULL = {
     "accumulation": 4,  # micro-batches of 1 sequence per optimizer step (ACCUMULATION); 0: not run
     "timeout_s": 2400,  # ~5 min on 2 idle cores; this shared machine has run it 3x slower
 }
+# issue 29's N = 4 table: 4 processes, a smaller model (GPT-2 blocks at width 256: 8.4M params)
+FULL_N4 = {**FULL, "model": dict(vocab_size=8192, n_positions=128, n_embd=256, n_layer=8, n_head=8)}
 SMOKE = {**FULL, "model": dict(vocab_size=512, n_positions=16, n_embd=32, n_layer=2, n_head=2), "seq": 16,
          "batches": [1, 2], "rounds": 1, "trainer": {"batches": [2], "warmup": 4, "steps": 1, "rounds": 1},
          "timeout_s": 240}
@@ -329,7 +334,8 @@ def _train(rank, world_size, template, optim, batch, cfg) -> tuple[list[float], 
     model.register_forward_pre_hook(lambda module, args: starts.append(time.perf_counter()))
     with tempfile.TemporaryDirectory() as tmp:
         args = TrainingArguments(
-            output_dir=tmp, optim=optim, learning_rate=LR, per_device_train_batch_size=batch, max_steps=max_steps,
+            output_dir=tmp, optim=TRAINER_RUNS.get(optim, (optim,))[0], optim_args=TRAINER_RUNS.get(optim, (0, None))[1],
+            learning_rate=LR, per_device_train_batch_size=batch, max_steps=max_steps,
             use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
             dataloader_num_workers=0, seed=0, ddp_find_unused_parameters=False,
             bf16=cfg.get("dtype") == "bfloat16",
@@ -408,7 +414,8 @@ def analyse(ranks: list[dict], cfg: dict, env: dict) -> dict:
     r0 = ranks[0]
     names = [] if cfg.get("trainer_only") else cfg.get("contenders") or list(CONTENDERS)
     psi = r0["param_bytes"]
-    ddp_model_bytes = 2 * psi * (WORLD_SIZE - 1) / WORLD_SIZE
+    n = cfg.get("world_size", WORLD_SIZE)
+    ddp_model_bytes = 2 * psi * (n - 1) / n
     ddp_ar = [r["counted"]["ddp_all_reduce"] for r in ranks] if names else []
     counted = {}
     accumulated = [a for a in ACCUMULATION if a in r0["counted"]]
@@ -497,14 +504,20 @@ def _analyse_trainer(per_rank: list[dict], cfg: dict) -> dict:
         for o in TRAINER_OPTIMS:
             # per run: the slowest rank's time per step, median over the run's steps
             runs[o] = [_median([max(ts) for ts in zip(*steps)]) for steps in zip(*(r["step_s"][b][o] for r in per_rank))]
-        # zero_bucket against each reference, within each round (ratio_*: the default's)
-        vs = {}
-        for ref in TRAINER_REFERENCES:
-            ratios = [z / a for z, a in zip(runs["zero_bucket"], runs[ref])]
-            vs[ref] = {"ratio_median": _median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                       "ratios": ratios}
+        # zero_bucket against each reference, within each round (ratio_*: the default's); stage 2
+        # against those and against stage 1 (issue 30)
+        def vs_of(who, refs):
+            out = {}
+            for ref in refs:
+                ratios = [z / a for z, a in zip(runs[who], runs[ref])]
+                out[ref] = {"ratio_median": _median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                            "ratios": ratios}
+            return out
+
+        vs = vs_of("zero_bucket", TRAINER_REFERENCES)
         rows[str(b)] = {"step_ms_median": {o: 1e3 * _median(v) for o, v in runs.items()},
-                        **vs[TRAINER_REFERENCES[0]], "vs": vs}
+                        **vs[TRAINER_REFERENCES[0]], "vs": vs,
+                        "stage2_vs": vs_of("zero_bucket_stage2", (*TRAINER_REFERENCES, "zero_bucket"))}
     return {"measured": True, "batches": rows, "zero_bucket_path": per_rank[0]["zero_bucket_path"]}
 
 
@@ -527,6 +540,11 @@ def _goals(tables, trainer, dtype: str = "float32", stage2_vs_stage1=None) -> li
             r = row["ratio_median"]
             goals.append({"batch": int(b), "who": "trainer zero_bucket", "goal": f"<= {bound} x adamw_torch_fused",
                           "median": r, "met": r <= bound})
+            for ref, limit in (("zero_bucket", STAGE2_GOAL), ("adamw_torch_fused", 1.0)):  # issue 30
+                r = row.get("stage2_vs", {}).get(ref, {}).get("ratio_median")
+                if r is not None:
+                    goals.append({"batch": int(b), "who": "trainer zero_bucket stage=2", "goal": f"<= {limit} x {ref}",
+                                  "median": r, "met": r <= limit})
     return goals
 
 
@@ -547,7 +565,7 @@ def markdown(res: dict) -> str:
         f"Run: `{env['command']}` on {env['date_utc']}, checkout `{env['git']}`",
         f"Machine: {env['cpu']}, {env['cpu_count']} cores; 1-min load average {env['load_start']:.1f} at start, "
         f"{env['load_end']:.1f} at end; wall time {env['wall_s']:.0f} s; Python {env['python']}, torch {env['torch']}, "
-        f"transformers {env['transformers']}; gloo, world size {WORLD_SIZE}, 1 thread per rank.",
+        f"transformers {env['transformers']}; gloo, world size {cfg.get('world_size', WORLD_SIZE)}, 1 thread per rank.",
         f"Model: GPT-2 {', '.join(f'{k}={v}' for k, v in cfg['model'].items())}: {m['params']:,} params in "
         f"{m['tensors']} tensors (largest {m['largest_tensor'] / m['params']:.0%}), {cfg.get('dtype', 'float32')}, seq {cfg['seq']}; "
         f"DDP with `gradient_as_bucket_view=True`, default buckets; AdamW lr {LR}, fused kernel (Trainer's default) "
@@ -626,14 +644,15 @@ def markdown(res: dict) -> str:
             f"Trainer (`Trainer.train()`, same model, seq {cfg['seq']}, `ddp_find_unused_parameters=False`, "
             f"default clipping at 1.0): `optim=\"zero_bucket\"` (defaults) vs Trainer's default "
             f"`optim=\"adamw_torch_fused\"` first and `optim=\"adamw_torch\"` second, "
-            f"{tc['rounds']} rounds per batch size, each running the three in a shuffled order, each run {tc['warmup']} warm-up + "
+            f"{tc['rounds']} rounds per batch size, each running the four (`zero_bucket` with `optim_args='stage=2'` too) in a shuffled order, each run {tc['warmup']} warm-up + "
             f"{tc['steps']} timed steps (forward start to next forward start, slowest rank, median per run)"
             + ("; zero_bucket ran with (grad_reduce, overlapped sync) = "
                + ", ".join(f"`{tuple(p)}`" for p in t["zero_bucket_path"]) if "zero_bucket_path" in t else "") + ":",
             "",
-            "| batch | adamw_torch_fused ms | adamw_torch ms | zero_bucket ms | zero_bucket / adamw_torch_fused, "
-            "median [min, max] over rounds | zero_bucket / adamw_torch, median [min, max] |",
-            "|---|---|---|---|---|---|",
+            "| batch | adamw_torch_fused ms | adamw_torch ms | zero_bucket ms | zero_bucket stage=2 ms "
+            "| zero_bucket / adamw_torch_fused, median [min, max] over rounds | zero_bucket / adamw_torch, "
+            "median [min, max] | stage=2 / adamw_torch_fused | stage=2 / zero_bucket |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for b, row in t["batches"].items():
             ms = row["step_ms_median"]
@@ -641,6 +660,9 @@ def markdown(res: dict) -> str:
             cells = [f"{ms[o]:.0f}" if o in ms else "-" for o in TRAINER_OPTIMS]
             cells += [f"{vs[o]['ratio_median']:.3f} [{vs[o]['ratio_min']:.3f}, {vs[o]['ratio_max']:.3f}]" if o in vs
                       else "-" for o in TRAINER_REFERENCES]
+            s2 = row.get("stage2_vs", {})
+            cells += [f"{s2[o]['ratio_median']:.3f} [{s2[o]['ratio_min']:.3f}, {s2[o]['ratio_max']:.3f}]" if o in s2
+                      else "-" for o in ("adamw_torch_fused", "zero_bucket")]
             lines.append(f"| {b} | " + " | ".join(cells) + " |")
     lines += ["", "| batch | who | goal | median | met |", "|---|---|---|---|---|"]
     for g in res["goals"]:
@@ -738,6 +760,8 @@ def main(argv=None) -> int:
                         help=f"time only these (with {BASELINE} and {SECOND}, which the ratios need)")
     parser.add_argument("--trainer-only", action="store_true",
                         help="run only the Trainer rows (no DDP rounds, no byte counts)")
+    parser.add_argument("--world-size", type=int, default=WORLD_SIZE, metavar="N",
+                        help=f"gloo processes (default {WORLD_SIZE}); above 2 the model is smaller (width 256, 8.4M params)")
     parser.add_argument("--profile", action="store_true",
                         help="run nothing else: profile the parts of the optimizer step (ms per iteration; "
                              "see profile_rank) and print a markdown table")
@@ -753,7 +777,10 @@ def main(argv=None) -> int:
         print(md)
         print(f"updated {docs}")
         return 0
-    cfg = copy.deepcopy(SMOKE if args.smoke else FULL)
+    if args.world_size < 2:
+        parser.error(f"--world-size must be at least 2, got {args.world_size}")
+    cfg = copy.deepcopy(SMOKE if args.smoke else FULL if args.world_size == 2 else FULL_N4)
+    cfg["world_size"] = args.world_size
     cfg["dtype"] = args.dtype
     cfg["trainer_only"] = args.trainer_only
     if args.no_trainer:
@@ -773,14 +800,14 @@ def main(argv=None) -> int:
     env = _common.environment(" ".join(["python -m benchmarks.e2e", *argv]))
     env["smoke"] = args.smoke
     if args.profile:
-        ranks = run_ranks(profile_rank, WORLD_SIZE, cfg, timeout=max(cfg["timeout_s"], 600))
+        ranks = run_ranks(profile_rank, cfg["world_size"], cfg, timeout=max(cfg["timeout_s"], 600))
         md = profile_markdown(ranks, cfg, env)
         (out / "profile.json").write_text(json.dumps({"env": env, "config": cfg, "ranks": ranks}, indent=2))
         (out / "profile.md").write_text(md)
         print(md)
         return 0
     t0 = time.monotonic()
-    ranks = run_ranks(e2e_rank, WORLD_SIZE, cfg, timeout=cfg["timeout_s"])
+    ranks = run_ranks(e2e_rank, cfg["world_size"], cfg, timeout=cfg["timeout_s"])
     env["wall_s"] = time.monotonic() - t0
     env["load_end"] = os.getloadavg()[0]
     res = analyse(ranks, cfg, env)
