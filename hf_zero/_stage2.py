@@ -364,8 +364,9 @@ class Reducer:
     def _put_grad(self, i: int, p: torch.Tensor) -> None:
         b, offset, numel = self._plan.where[i]
         g, spec = p.grad, self._plan.layout.buffers[b]
-        if (b not in self._filling and offset == 0 and numel == self._plan.sizes[b] and g._base is None
-                and g.is_contiguous() and g.dtype == spec.dtype and g.device == spec.device):
+        if (b not in self._filling and offset == 0 and numel == self._plan.sizes[b] and g.is_contiguous()
+                and g.storage_offset() == 0 and g.untyped_storage().nbytes() == g.nbytes
+                and g.dtype == spec.dtype and g.device == spec.device):
             # The bucket is this one grad (a param above the cap, e.g. an embedding): reduce
             # it in its own storage, which nothing else holds once p.grad lets go, not a copy.
             self._filling[b] = g.view(-1)
