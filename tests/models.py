@@ -395,3 +395,36 @@ def assert_param_dicts_equal(actual: dict, expected: dict) -> None:
         assert torch.equal(actual[k], v), k
 
 
+
+
+def count_reduce_scatters(opt) -> list[int]:
+    """The sizes of the buckets ``opt``'s comm reduce-scatters from now on (appended to the list returned)."""
+    scattered: list[int] = []
+    comm = opt.gradient_path.comm
+    reduce_scatter = comm.reduce_scatter_
+
+    def counted(buffer, bounds):
+        scattered.append(buffer.numel())
+        return reduce_scatter(buffer, bounds)
+
+    comm.reduce_scatter_ = counted
+    return scattered
+
+
+def stage2_memory_trace(model, rank: int, *, layer_bytes: int, steps: int = 3, shards: bool = False) -> list[tuple]:
+    """Train ``model`` (its forward returns the loss of a (4, 32) float64 batch) ``steps`` steps under
+    stage 2 with one-layer buckets; per backward: every p.grad freed, reduce-bucket bytes alive after,
+    the most alive during, (the shards' bytes,) the bucket count."""
+    opt = make_zero(Setup(), model, stage=2)
+    opt.bind_module(model, bucket_cap_mb=layer_bytes / (1 << 20))
+    reducer = opt.gradient_path.stage2
+    seen = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        model(torch.randn(4, 32, generator=g, dtype=torch.float64)).backward()
+        held = (sum(s.nbytes for s in reducer._shards if s is not None),) if shards else ()
+        seen.append((all(p.grad is None for p in model.parameters()), reducer.bucket_bytes,
+                     reducer.peak_bucket_bytes, *held, len(opt.gradient_path.wanted_buckets)))
+        opt.step()
+        opt.zero_grad()
+    return seen

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests._dist import run_case, run_ranks
 from tests.models import (
     BATCH, Setup, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model,
-    make_reference, make_zero, params_of, shard_of,
+    count_reduce_scatters, make_reference, make_zero, params_of, shard_of,
 )
 
 STEPS = 7
@@ -117,14 +117,7 @@ def _train(rank, world_size, case: Case):
     ddp = DDP(model, find_unused_parameters=case.find_unused, gradient_as_bucket_view=case.grad_as_bucket_view,
               bucket_cap_mb=BUCKET_MB, static_graph=case.static_graph)
     opt.bind_ddp(ddp)
-    scattered = []
-    reduce_scatter = opt.gradient_path.comm.reduce_scatter_
-
-    def counted(buffer, bounds):
-        scattered.append(buffer.numel())
-        return reduce_scatter(buffer, bounds)
-
-    opt.gradient_path.comm.reduce_scatter_ = counted
+    scattered = count_reduce_scatters(opt)
     # Nothing of hf_zero may run on gloo's threads (a Future.then callback would): see
     # [Note: no Python on communication threads] in hf_zero/_works.py.
     then_calls = []

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tests._dist import run_case, run_ranks
 from tests.models import (
     BATCH, Setup, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model,
-    make_reference, make_zero, params_of, shard_of,
+    count_reduce_scatters, make_reference, make_zero, params_of, shard_of, stage2_memory_trace,
 )
 
 STEPS = 7
@@ -112,14 +112,7 @@ def _train(rank, world_size, case: Case):
     opt = make_zero(setup, model, stage=2, overlap_param_sync=case.overlap)
     opt.bind_module(model, bucket_cap_mb=BUCKET_MB)
     assert opt.overlaps_param_sync == (case.overlap and world_size > 1)
-    scattered = []
-    reduce_scatter = opt.gradient_path.comm.reduce_scatter_
-
-    def counted(buffer, bounds):
-        scattered.append(buffer.numel())
-        return reduce_scatter(buffer, bounds)
-
-    opt.gradient_path.comm.reduce_scatter_ = counted
+    scattered = count_reduce_scatters(opt)
     norms, freed, leftover = _loop(case, model, opt, world_size=world_size, rank=rank)
     model.state_dict()  # with overlap, the last step's sync is still in flight: this drains it
     params = params_of(model)
@@ -221,20 +214,7 @@ LAYER_BYTES = (32 * 32 + 32) * 8
 
 
 def _memory(rank, world_size):
-    model = Deep()
-    opt = make_zero(Setup(), model, stage=2)
-    opt.bind_module(model, bucket_cap_mb=LAYER_BYTES / (1 << 20))
-    reducer = opt.gradient_path.stage2
-    seen = []
-    for step in range(3):
-        g = torch.Generator().manual_seed(step * 10 + rank)
-        model(torch.randn(4, 32, generator=g, dtype=torch.float64)).backward()
-        shards = sum(s.nbytes for s in reducer._shards if s is not None)
-        seen.append((all(p.grad is None for p in model.parameters()), reducer.bucket_bytes,
-                     reducer.peak_bucket_bytes, shards, len(opt.gradient_path.wanted_buckets)))
-        opt.step()
-        opt.zero_grad()
-    return seen
+    return stage2_memory_trace(Deep(), rank, layer_bytes=LAYER_BYTES, shards=True)
 
 
 def _broadcast_at_bind(rank, world_size):

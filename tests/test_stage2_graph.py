@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from tests._dist import run_case, run_ranks
 from tests.models import (
     BATCH, Setup, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model, make_zero,
-    params_of, shard_of,
+    count_reduce_scatters, params_of, shard_of, stage2_memory_trace,
 )
 
 STEPS = 5
@@ -186,14 +186,7 @@ def _train(rank, world_size, case: Case):
                               overlap_param_sync=case.overlap, lr=1e-2, weight_decay=0.1)
     opt.bind_module(model, bucket_cap_mb=case.bucket_mb)
     reducer = opt.gradient_path.stage2
-    scattered = []
-    reduce_scatter = opt.gradient_path.comm.reduce_scatter_
-
-    def counted(buffer, bounds):
-        scattered.append(buffer.numel())
-        return reduce_scatter(buffer, bounds)
-
-    opt.gradient_path.comm.reduce_scatter_ = counted
+    scattered = count_reduce_scatters(opt)
     errors, freed = _loop(case, model, opt, world_size=world_size, rank=rank)
     opt.wait_param_sync()
     opt.consolidate_state_dict(to=0)
@@ -256,19 +249,7 @@ LAYER_BYTES = (32 * 32 + 32) * 8
 
 def _memory_reentrant(rank, world_size):
     """Per backward: p.grads freed, buckets alive after, the most alive during, bucket count."""
-    model = DeepCheckpointed()
-    opt = make_zero(Setup(), model, stage=2)
-    opt.bind_module(model, bucket_cap_mb=LAYER_BYTES / (1 << 20))
-    reducer = opt.gradient_path.stage2
-    seen = []
-    for step in range(3):
-        g = torch.Generator().manual_seed(step * 10 + rank)
-        model(torch.randn(4, 32, generator=g, dtype=torch.float64)).backward()
-        seen.append((all(p.grad is None for p in model.parameters()), reducer.bucket_bytes,
-                     reducer.peak_bucket_bytes, len(opt.gradient_path.wanted_buckets)))
-        opt.step()
-        opt.zero_grad()
-    return seen
+    return stage2_memory_trace(DeepCheckpointed(), rank, layer_bytes=LAYER_BYTES)
 
 
 def _shared_small_buckets(rank, world_size):
