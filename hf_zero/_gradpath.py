@@ -12,7 +12,6 @@ keeps the hook's state alive, which must not keep the optimizer alive.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import weakref
 from typing import Callable
@@ -133,19 +132,16 @@ class GradientPath:
 
     def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float, broadcast_buffers: bool = True,
                     local_accumulation: bool = True, overlap_default: bool = False) -> None:
-        """The body of ``ZeroBucketOptimizer.bind_module`` (documented there). ``local_accumulation=False``:
-        ``module.no_sync()`` does nothing, so every backward reduces into the shards (what the integrations
-        bind: Accelerate's ``accumulate`` and Trainer call ``no_sync`` on every micro-batch but the last)."""
+        """The body of ``ZeroBucketOptimizer.bind_module`` (documented there; ``local_accumulation``:
+        see ``_stage2.Reducer.bind``)."""
         if self.stage2 is None:
             raise ValueError(
                 "bind_module is for stage=2 (hf_zero reduces the grads, no DDP); a stage-1 optimizer binds "
                 "the DistributedDataParallel wrapping the model with bind_ddp(ddp)"
             )
         _refuse_needing_ddp(module)
-        bound = self.stage2.bound
-        self.stage2.bind(module, cap_bytes=int(bucket_cap_mb * (1 << 20)), broadcast_buffers=broadcast_buffers)
-        if not bound and not local_accumulation:
-            module.no_sync = contextlib.nullcontext  # what Accelerate's no_sync / accumulate enter
+        self.stage2.bind(module, cap_bytes=int(bucket_cap_mb * (1 << 20)), broadcast_buffers=broadcast_buffers,
+                         local_accumulation=local_accumulation)
         self._attach_overlap(module, overlap_default)
 
     def _attach_overlap(self, module: torch.nn.Module, overlap_default: bool, units=None) -> None:

@@ -182,7 +182,11 @@ class Reducer:
     def bound(self) -> bool:
         return self.module_ref is not None
 
-    def bind(self, module: torch.nn.Module, *, cap_bytes: int, broadcast_buffers: bool = True) -> None:
+    def bind(self, module: torch.nn.Module, *, cap_bytes: int, broadcast_buffers: bool = True,
+             local_accumulation: bool = True) -> None:
+        """``local_accumulation=False``: the module's ``no_sync()`` does nothing, so every backward
+        reduces into the shards (Accelerate's ``accumulate`` and Trainer enter it on every
+        micro-batch but the last)."""
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(
                 "bind_module: stage=2 takes gradient synchronisation over from DistributedDataParallel; "
@@ -217,7 +221,7 @@ class Reducer:
         self._handles.append(module.register_forward_pre_hook(_before_forward(me)))
         self._handles.append(module.register_forward_hook(_after_forward(me)))
         self.module_ref = weakref.ref(module)
-        module.no_sync = self.no_sync
+        module.no_sync = self.no_sync if local_accumulation else contextlib.nullcontext
 
     def _hook_params(self) -> None:
         """Hook the params that need a grad and have no hook yet: at bind, then before each forward
