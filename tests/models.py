@@ -428,3 +428,15 @@ def stage2_memory_trace(model, rank: int, *, layer_bytes: int, steps: int = 3, s
         opt.step()
         opt.zero_grad()
     return seen
+
+
+def reference_clip(model, case, norms: list) -> None:
+    """The single-process reference after its backward: frozen params' grads dropped (as hf_zero never
+    steps them), then ``case.clip_norm`` (the total norm appended to ``norms``) and ``case.clip_value``."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.grad = None
+    if case.clip_norm is not None:
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm).item())
+    if case.clip_value is not None:
+        torch.nn.utils.clip_grad_value_(model.parameters(), case.clip_value)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from tests._dist import run_case, run_ranks
 from tests.models import (
     BATCH, Setup, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model,
-    count_reduce_scatters, make_reference, make_zero, params_of, shard_of, stage2_memory_trace,
+    count_reduce_scatters, make_reference, reference_clip, make_zero, params_of, shard_of, stage2_memory_trace,
 )
 
 STEPS = 7
@@ -77,13 +77,7 @@ def _loop(case: Case, model, opt, *, world_size, rank=None):
         batch = model.batch(step, BATCH * world_size)
         if rank is None:
             sum(_loss(model, shard_of(batch, r), case, r) for r in range(world_size)).div(world_size).backward()
-            for p in model.parameters():
-                if not p.requires_grad:
-                    p.grad = None
-            if case.clip_norm is not None:
-                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm).item())
-            if case.clip_value is not None:
-                torch.nn.utils.clip_grad_value_(model.parameters(), case.clip_value)
+            reference_clip(model, case, norms)
         else:
             batch = shard_of(batch, rank)
             micro = BATCH // case.accumulate
