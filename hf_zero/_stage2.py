@@ -110,17 +110,24 @@ class _Plan:
     where: dict
     sizes: tuple[int, ...]
     owned: tuple[tuple[int, int], ...]
+    gaps: tuple[tuple[tuple[int, int], ...], ...]  # per buffer: the ranges no slot covers (alignment)
 
 
 def _plan_of(layout: Layout, rank: int) -> _Plan:
-    where, sizes, owned = {}, [], []
+    where, sizes, owned, gaps = {}, [], [], []
     for b, buf in enumerate(layout.buffers):
         end = max(s.offset + s.numel for s in buf.slots)
         for s in buf.slots:
             where[s.index] = (b, s.offset, s.numel)
         sizes.append(end)
         owned.append((min(buf.bounds[rank], end), min(buf.bounds[rank + 1], end)))
-    return _Plan(layout, where, tuple(sizes), tuple(owned))
+        covered, at, holes = sorted((s.offset, s.offset + s.numel) for s in buf.slots), 0, []
+        for a, z in covered:
+            if a > at:
+                holes.append((at, a))
+            at = max(at, z)
+        gaps.append(tuple(holes))
+    return _Plan(layout, where, tuple(sizes), tuple(owned), tuple(gaps))
 
 
 class ShardedGrads:
@@ -166,8 +173,9 @@ class Reducer:
         self._regions_cache: tuple = (None, False)  # (unreached params, reentrant regions below)
         self._broken = False  # a backward raised midway since the last step / zero_grad
         self._next = 0  # the next buffer to reduce-scatter
-        self._filling: dict[int, torch.Tensor] = {}
+        self._filling: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # buffer -> (bucket, pooled base)
         self._in_flight: deque = deque()
+        self._pool = _BucketPool(keep=MAX_IN_FLIGHT + 1)
         # Since the last step.
         self._shards: list = []  # per buffer of the reduced plan: this rank's range, or None
         self._written: set[int] = set()  # buffers whose shard holds grads since the last step
@@ -261,6 +269,7 @@ class Reducer:
             layout = plan_layout(specs, world_size=self.comm.world_size, shard=self._shard,
                                  buckets=plan_buckets(specs, self.cap_bytes))
             self._plan, self._plan_key = _plan_of(layout, self.comm.rank), key
+            self._pool.plan(layout.buffers, self._plan.sizes, self.cap_bytes)
             params = self._table().params
             self._accumulators = {i: grad_accumulator(params[i]) for i in self._plan.where}
         return self._plan
@@ -373,7 +382,7 @@ class Reducer:
                 and g.dtype == spec.dtype and g.device == spec.device):
             # The bucket is this one grad (a param above the cap, e.g. an embedding): reduce
             # it in its own storage, which nothing else holds once p.grad lets go, not a copy.
-            self._filling[b] = g.view(-1)
+            self._filling[b] = (g.view(-1), None)
             self._count_bucket(g.nbytes)
             self._placed.add(i)
             p.grad = None
@@ -389,16 +398,27 @@ class Reducer:
         self.touched.add(i)
 
     def _bucket(self, b: int) -> torch.Tensor:
-        buf = self._filling.get(b)
-        if buf is None:
+        """Bucket ``b`` of this backward, taken from the pool at its first use: its slots are
+        written as the grads come (:meth:`_launch` zeroes the ones that never came) and its
+        gaps zeroed now ([Note: bucket pool])."""
+        held = self._filling.get(b)
+        if held is None:
             plan = self._plan.layout.buffers[b]
-            buf = self._filling[b] = torch.zeros(self._plan.sizes[b], dtype=plan.dtype, device=plan.device)
-            self._count_bucket(buf.nbytes)
-        return buf
+            buf, base = self._pool.take(self._plan.sizes[b], plan.dtype, torch.device(plan.device))
+            for a, z in self._plan.gaps[b]:
+                buf[a:z].zero_()
+            held = self._filling[b] = (buf, base)
+            self._count_bucket(buf.nbytes if base is None else 0)
+        return held[0]
 
     def _count_bucket(self, nbytes: int) -> None:
         self.bucket_bytes += nbytes
-        self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes)
+        self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes + self._pool.held_bytes)
+
+    @property
+    def held_bucket_bytes(self) -> int:
+        """Reduce-bucket memory held now: the buckets of this backward and the pool's."""
+        return self.bucket_bytes + self._pool.held_bytes
 
     def _launch_ready(self) -> None:
         while self._next < len(self._left) and self._left[self._next] == 0:
@@ -406,14 +426,18 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         buf = self._bucket(b)
-        del self._filling[b]
+        _, base = self._filling.pop(b)
+        if base is not None:  # a pooled bucket holds old values where no grad came this backward
+            for s in self._plan.layout.buffers[b].slots:
+                if s.index not in self._placed:
+                    buf[s.offset : s.offset + s.numel].zero_()
         self._next = b + 1
         while len(self._in_flight) >= MAX_IN_FLIGHT:
             self._finish(*self._in_flight.popleft())
         pending = self.comm.reduce_scatter_(buf, self._plan.layout.buffers[b].bounds)
-        self._in_flight.append((b, buf, pending))
+        self._in_flight.append((b, buf, base, pending))
 
-    def _finish(self, b: int, buf: torch.Tensor, pending) -> None:
+    def _finish(self, b: int, buf: torch.Tensor, base: torch.Tensor | None, pending) -> None:
         pending.wait()
         lo, hi = self._plan.owned[b]
         if self._reduced is not self._plan:
@@ -426,7 +450,10 @@ class Reducer:
                 shard = self._shards[b] = torch.empty(hi - lo, dtype=buf.dtype, device=buf.device)
             shard.copy_(buf[lo:hi])
             self._written.add(b)
-        self.bucket_bytes -= buf.nbytes
+        if base is None:
+            self.bucket_bytes -= buf.nbytes
+        else:
+            self._pool.give(base)
         # gloo keeps a collective's work, and the bucket it sends, a while after it completes
         # ([Note: no Python on communication threads]): without this, every bucket of every
         # backward in the last second or two stays alive, a full set of grads per fast step.
@@ -448,8 +475,11 @@ class Reducer:
         rank started the same ones), drop the buckets being filled, and mark the shards partial."""
         while self._in_flight:
             self._finish(*self._in_flight.popleft())
-        for buf in self._filling.values():
-            self.bucket_bytes -= buf.nbytes
+        for buf, base in self._filling.values():
+            if base is None:
+                self.bucket_bytes -= buf.nbytes
+            else:
+                self._pool.give(base)
         self._filling.clear()
         self._armed, self._present, self._pending, self._broken = False, None, set(), True
 
@@ -493,7 +523,68 @@ class Reducer:
         self._written.clear()
         self.touched.clear()
         self._present = None
-        self.peak_bucket_bytes = self.bucket_bytes
+        self.peak_bucket_bytes = self.held_bucket_bytes
+
+
+class _BucketPool:
+    """Reduce buckets kept from one backward to the next.
+
+    [Note: bucket pool]
+    A bucket allocated afresh in every backward costs its pages again each time (on the CPU
+    an allocation this large is mmapped and faulted in, and was zero-filled besides: most of
+    stage 2's extra time over stage 1, measured by torch.profiler on the e2e GPT-2). So the
+    buckets no wider than the cap come from a pool, all as wide as the widest such bucket of
+    the plan (one size fits every bucket), and go back to it when reduced. The pool keeps
+    at most ``keep`` free ones per (dtype, device): the buckets in flight plus the one being
+    filled, what a backward holds at once anyway, so between backwards a rank holds about
+    the reduce buckets the backward's peak already counted, never a gradient's worth. A
+    pooled bucket is dirty: only the slots a grad is copied into are written, so its gaps
+    are zeroed when it is taken and the slots of grads that never came when it is launched.
+    A bucket wider than the cap (one large param whose grad could not be reduced in its own
+    storage) is allocated for its backward only. The pool follows the plan: a new plan
+    (trainability change) drops it.
+    """
+
+    def __init__(self, keep: int):
+        self.keep = keep
+        self.held_bytes = 0  # every pooled tensor, free or in use
+        self._width: dict[tuple, int] = {}  # (dtype, device) -> elements of each pooled bucket
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+
+    def plan(self, buffers, sizes, cap_bytes: int) -> None:
+        """Follow a new plan: the pooled width per (dtype, device) is its widest bucket, leaving out
+        the buckets of one param above ``cap_bytes``."""
+        width: dict[tuple, int] = {}
+        for plan, n in zip(buffers, sizes):
+            if len(plan.slots) > 1 or n * plan.dtype.itemsize <= cap_bytes:
+                key = (plan.dtype, torch.device(plan.device))
+                width[key] = max(width.get(key, 0), n)
+        if width != self._width:
+            self.held_bytes -= sum(t.nbytes for free in self._free.values() for t in free)
+            self._free, self._width = {}, width
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A 1-D bucket of ``numel`` elements (not zeroed), and its pooled base (None: not pooled)."""
+        key = (dtype, device)
+        width = self._width.get(key, 0)
+        if numel > width:
+            return torch.empty(numel, dtype=dtype, device=device), None
+        free = self._free.setdefault(key, [])
+        if free:
+            base = free.pop()
+        else:
+            base = torch.empty(width, dtype=dtype, device=device)
+            self.held_bytes += base.nbytes
+        return base[:numel], base
+
+    def give(self, base: torch.Tensor) -> None:
+        """``base`` (from :meth:`take`) is free again: kept, or let go."""
+        key = (base.dtype, base.device)
+        free = self._free.setdefault(key, [])
+        if base.numel() == self._width.get(key) and len(free) < self.keep:
+            free.append(base)
+        else:
+            self.held_bytes -= base.nbytes
 
 
 def _before_forward(reducer_ref):

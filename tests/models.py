@@ -413,8 +413,9 @@ def count_reduce_scatters(opt) -> list[int]:
 
 def stage2_memory_trace(model, rank: int, *, layer_bytes: int, steps: int = 3, shards: bool = False) -> list[tuple]:
     """Train ``model`` (its forward returns the loss of a (4, 32) float64 batch) ``steps`` steps under
-    stage 2 with one-layer buckets; per backward: every p.grad freed, reduce-bucket bytes alive after,
-    the most alive during, (the shards' bytes,) the bucket count."""
+    stage 2 with one-layer buckets; per backward: every p.grad freed, reduce-bucket bytes in use after,
+    the most held during (the pool's included), the bytes the pool keeps after, (the shards' bytes,) the
+    bucket count."""
     opt = make_zero(Setup(), model, stage=2)
     opt.bind_module(model, bucket_cap_mb=layer_bytes / (1 << 20))
     reducer = opt.gradient_path.stage2
@@ -424,7 +425,7 @@ def stage2_memory_trace(model, rank: int, *, layer_bytes: int, steps: int = 3, s
         model(torch.randn(4, 32, generator=g, dtype=torch.float64)).backward()
         held = (sum(s.nbytes for s in reducer._shards if s is not None),) if shards else ()
         seen.append((all(p.grad is None for p in model.parameters()), reducer.bucket_bytes,
-                     reducer.peak_bucket_bytes, *held, len(opt.gradient_path.wanted_buckets)))
+                     reducer.peak_bucket_bytes, reducer.held_bucket_bytes, *held, len(opt.gradient_path.wanted_buckets)))
         opt.step()
         opt.zero_grad()
     return seen

@@ -299,15 +299,17 @@ def test_stage2_is_bitwise_stage1_at_two_ranks(name):
 
 @pytest.mark.timeout(220)
 def test_no_full_gradient_is_alive_after_the_backward():
-    """After each backward every p.grad is None and no reduce bucket is alive; during it at
-    most three of the eight one-layer buckets were (filling and in flight); what a rank
-    keeps is its shard: about 1/N of the grads."""
+    """After each backward every p.grad is None and no reduce bucket is in use; during it at
+    most three of the eight one-layer buckets were held (filling and in flight, the pool's
+    included), and the pool keeps at most those three for the next backward ([Note: bucket
+    pool]); what a rank keeps is its shard: about 1/N of the grads."""
     total, world_size = 8 * LAYER_BYTES, 2
     for r in _lot_results():
-        for freed, alive, peak, shards, buckets in r["memory"]:
+        for freed, alive, peak, pooled, shards, buckets in r["memory"]:
             assert freed and alive == 0
             assert buckets == 8
             assert 0 < peak <= 3 * LAYER_BYTES, peak
+            assert pooled <= peak, (pooled, peak)
             assert shards <= total / world_size + 8 * 64, (shards, total / world_size)
 
 

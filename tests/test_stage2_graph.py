@@ -292,10 +292,11 @@ def test_reentrant_checkpoint_buckets_go_as_their_region_ends():
     the backward starts): the buckets still go as the regions finish, at most three of the
     eight one-layer buckets alive at once (not all of them until the end)."""
     for r in _lot_results():
-        for freed, alive, peak, buckets in r["memory"]:
+        for freed, alive, peak, pooled, buckets in r["memory"]:
             assert freed and alive == 0
             assert buckets == 9
             assert 0 < peak <= 3 * LAYER_BYTES, peak
+            assert pooled <= peak, (pooled, peak)
 
 
 @pytest.mark.timeout(220)
