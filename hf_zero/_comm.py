@@ -59,9 +59,7 @@ class Comm:
             raise TypeError(f"strategy must be a hf_zero._comm.Strategy, got {type(strategy).__name__}")
         self.group = process_group
         self.enabled = dist.is_available() and dist.is_initialized()
-        # Reduce-scatter receive scratch: see _take_scratch.
-        self._scratch_store: dict[torch.device, torch.Tensor] = {}
-        self._scratch_holder: Pending | None = None
+        self._scratch = _Scratch()  # the reduce-scatters' receive scratch
         if not self.enabled:
             if process_group is not None:
                 raise ValueError("process_group was given but torch.distributed is not initialized")
@@ -209,14 +207,17 @@ class Comm:
         return works
 
     # -- gradients: reduce-scatter ---------------------------------------------------
-    def reduce_scatter_(self, buffer: torch.Tensor, bounds: Sequence[int]) -> Pending:
+    def reduce_scatter_(self, buffer: torch.Tensor, bounds: Sequence[int], *, out: torch.Tensor | None = None) -> Pending:
         """Average ``buffer`` over ranks into this rank's range only. Asynchronous: the
         :class:`Pending`'s ``wait()`` finishes the average and returns ``buffer``.
 
         Afterwards ``buffer[bounds[r]:bounds[r+1]]`` (cut at ``buffer.numel()``: bounds may
         run past the end, into padding) holds the mean over ranks on rank r; the rest of
         ``buffer`` holds this rank's own values (divided by the world size for dtypes
-        narrower than 32 bits).
+        narrower than 32 bits). Given ``out`` (1-D, as many elements as this rank's cut
+        range, ``buffer``'s dtype), the mean goes there instead, the same bits, and this
+        rank's range of ``buffer`` is left unspecified: the point-to-point sum writes it
+        straight into ``out`` (one pass over the range fewer than a copy after).
 
         [Note: reduce-scatter collective]
         Measured on gloo (2 and 3 ranks, 4-120 MB fp32, docs/gradient_path.md), with the
@@ -246,11 +247,13 @@ class Comm:
         n, world = buffer.numel(), self.world_size
         if len(bounds) != world + 1 or bounds[0] != 0 or bounds[-1] < n:
             raise ValueError(f"bounds {list(bounds)} must start at 0 and cover all {n} elements, one range per rank")
-        if world == 1:
-            return self._pending([], "", finish=lambda: buffer)
         clipped = [min(b, n) for b in bounds]
         lo, hi = clipped[self.rank], clipped[self.rank + 1]
         mine = buffer[lo:hi]
+        if out is not None and (out.dim() != 1 or out.numel() != hi - lo or out.dtype != buffer.dtype):
+            raise ValueError(f"out must be 1-D with {hi - lo} elements of {buffer.dtype}, got {tuple(out.shape)} {out.dtype}")
+        if world == 1:
+            return self._pending([], "", finish=lambda: buffer if out is None else _copied(out, mine, buffer))
         # Low-precision grads are divided before summing, as DDP does (keeps fp16 sums in
         # range); wider ones after, and only this rank's range (a pass over 1/N of the bucket).
         early = buffer.element_size() < 4
@@ -267,22 +270,22 @@ class Comm:
                 if n != chunk * world:
                     staged = torch.zeros(chunk * world, dtype=buffer.dtype, device=buffer.device)
                     staged[:n].copy_(buffer)
-                out = torch.empty(chunk, dtype=buffer.dtype, device=buffer.device)
+                reduced = torch.empty(chunk, dtype=buffer.dtype, device=buffer.device)
                 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-                works = [reduce_scatter(out, staged, group=self.group, async_op=True)]
+                works = [reduce_scatter(reduced, staged, group=self.group, async_op=True)]
 
                 def finish():
-                    mine.copy_(out[: hi - lo])
+                    mine.copy_(reduced[: hi - lo])
                     if not early:
                         mine.div_(world)
                     return buffer
 
             elif how == "send_recv":
-                works, finish = self._send_recv_sum(buffer, clipped, early)
+                works, finish = self._send_recv_sum(buffer, clipped, early, out)
 
             elif how == "all_to_all":
                 splits = [b - a for a, b in zip(clipped, clipped[1:])]
-                received = self._take_scratch(world * (hi - lo), buffer.dtype, buffer.device)
+                received = self._scratch.take(world * (hi - lo), buffer.dtype, buffer.device)
                 works = [dist.all_to_all_single(
                     received, buffer, [hi - lo] * world, splits, group=self.group, async_op=True
                 )]
@@ -291,7 +294,7 @@ class Comm:
                     torch.sum(received.view(world, hi - lo), 0, out=mine)
                     if not early:
                         mine.div_(world)
-                    self._scratch_holder = None
+                    self._scratch.returned()
                     return buffer
 
             else:
@@ -302,13 +305,20 @@ class Comm:
                 def finish():
                     return buffer
 
+        if out is not None and how != "send_recv":
+            finish_in_buffer = finish
+
+            def finish():
+                return _copied(out, mine, finish_in_buffer())
+
         pending = self._pending(works, "reduce-scattering gradients", finish=finish)
         if how in ("send_recv", "all_to_all"):
-            self._scratch_holder = pending
+            self._scratch.lent_to(pending)
         return pending
 
-    def _send_recv_sum(self, buffer: torch.Tensor, clipped: list[int], early: bool):
-        """Point-to-point reduce-scatter of ``buffer``: start it, return (works, finish).
+    def _send_recv_sum(self, buffer: torch.Tensor, clipped: list[int], early: bool, out: torch.Tensor | None = None):
+        """Point-to-point reduce-scatter of ``buffer``: start it, return (works, finish); the
+        mean of this rank's range lands in ``out`` when given, else in place.
 
         A range whose receive exceeds ``_SCRATCH_BYTES`` travels in pieces (the cut,
         :func:`_pieces`, depends only on the range, the world size and the dtype, so
@@ -318,12 +328,13 @@ class Comm:
         world, rank = self.world_size, self.rank
         lo, hi = clipped[rank], clipped[rank + 1]
         mine, others = buffer[lo:hi], [r for r in range(world) if r != rank]
+        into = mine if out is None else out
         size = buffer.element_size()
         outgoing = [(r, buffer[a:b]) for r in others for a, b in _pieces(clipped[r], clipped[r + 1], world, size)]
         sends = self._exchange(sends=outgoing, recvs=[], tag=_TAG_GRADS)
         cuts = _pieces(0, hi - lo, world, size)
         depth, width = min(2, len(cuts)), max((b - a for a, b in cuts), default=0)
-        slots = self._take_scratch(depth * (world - 1) * width, buffer.dtype, buffer.device)
+        slots = self._scratch.take(depth * (world - 1) * width, buffer.dtype, buffer.device)
         slots = slots.view(depth, world - 1, width)
 
         def receive(k: int) -> list:
@@ -342,42 +353,30 @@ class Comm:
                         w.wait()
                     # Bitwise what DDP's all-reduce gives at 2 ranks, (a + b) / 2 = a / 2 + b / 2
                     # (a one-pass lerp is within an ulp only: resuming on the all-reduce path
-                    # would then not replay a run exactly). In place: a temporary sum would
-                    # fault in fresh pages.
+                    # would then not replay a run exactly). In place, or into ``out``: a
+                    # temporary sum would fault in fresh pages. Each piece is divided while it
+                    # is still in cache.
                     for i in range(world - 1):
-                        mine[a:b].add_(slots[k % 2, i, : b - a])
+                        if i == 0 and into is not mine:
+                            torch.add(mine[a:b], slots[k % 2, 0, : b - a], out=into[a:b])
+                        else:
+                            into[a:b].add_(slots[k % 2, i, : b - a])
+                    if not early:
+                        into[a:b].div_(world)
                     if k + 2 < len(cuts):
                         receiving.append(receive(k + 2))
                         if self._keep_works:
                             keep(receiving[-1])
                 for w in sends:
                     w.wait()
-            if not early:
-                mine.div_(world)
-            self._scratch_holder = None
+            self._scratch.returned()
             return buffer
 
         return (receiving[0] if receiving else []), finish
 
-    def _take_scratch(self, numel: int, dtype, device) -> torch.Tensor:
-        """Receive scratch for one reduce-scatter ([Note: reduce-scatter scratch]): the
-        reduce-scatter holding it is finished first. Kept between calls: on the CPU a
-        fresh allocation above glibc's mmap threshold faults in new pages on every call
-        (measured: it doubled the time of a 32 MB reduce-scatter)."""
-        holder, self._scratch_holder = self._scratch_holder, None
-        if holder is not None:
-            holder.wait()
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        store = self._scratch_store.get(device)
-        if store is None or store.numel() < nbytes:
-            self._scratch_store.pop(device, None)  # room first: old and new never live together
-            del store
-            store = self._scratch_store[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return store[:nbytes].view(dtype)
-
     def scratch_bytes(self) -> int:
         """Bytes of reduce-scatter receive scratch held now (see [Note: reduce-scatter scratch])."""
-        return sum(t.numel() for t in self._scratch_store.values())
+        return self._scratch.nbytes
 
     def all_reduce_mean_(self, buffer: torch.Tensor) -> Pending:
         """Average ``buffer`` over ranks in place (every element). Asynchronous: the
@@ -449,6 +448,45 @@ class Comm:
 _TAG_GRADS = 0x68660001
 _TAG_PARAMS = 0x68660002
 _SCRATCH_BYTES = 16 << 20  # the most a point-to-point reduce-scatter receives into at once
+
+
+class _Scratch:
+    """The reduce-scatters' receive scratch ([Note: reduce-scatter scratch]): one store per
+    device, lent to one reduce-scatter at a time."""
+
+    def __init__(self):
+        self._store: dict[torch.device, torch.Tensor] = {}
+        self._holder: Pending | None = None
+
+    def take(self, numel: int, dtype, device) -> torch.Tensor:
+        """Room for ``numel`` elements, once the reduce-scatter holding it is finished. Kept between
+        calls: on the CPU a fresh allocation above glibc's mmap threshold faults in new pages on every
+        call (measured: it doubled the time of a 32 MB reduce-scatter)."""
+        holder, self._holder = self._holder, None
+        if holder is not None:
+            holder.wait()
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        store = self._store.get(device)
+        if store is None or store.numel() < nbytes:
+            self._store.pop(device, None)  # room first: old and new never live together
+            del store
+            store = self._store[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return store[:nbytes].view(dtype)
+
+    def lent_to(self, pending: Pending) -> None:
+        self._holder = pending
+
+    def returned(self) -> None:
+        self._holder = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self._store.values())
+
+
+def _copied(out: torch.Tensor, mine: torch.Tensor, result):
+    out.copy_(mine)
+    return result
 
 
 def _pieces(start: int, stop: int, world: int, itemsize: int) -> list[tuple[int, int]]:

@@ -28,9 +28,11 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
   and nothing waits for a grad that never comes.
 - **In flight.** At most :data:`MAX_IN_FLIGHT` buckets are being reduced at once (on
   gloo point to point one: starting a reduce-scatter finishes the one holding the
-  receive scratch, [Note: reduce-scatter scratch] in _comm.py); finishing one adds this
-  rank's range into its *shard* (the bucket's owned range, in the bucket's dtype, kept
-  until the step) and frees the bucket. Buckets alive at once: those in flight plus
+  receive scratch, [Note: reduce-scatter scratch] in _comm.py). The first reduction of a
+  bucket since the step sums this rank's range straight into its *shard* (the bucket's
+  owned range, in the bucket's dtype, kept until the step); a later one (accumulation)
+  adds its average into the shard when it finishes. A finished bucket goes back to the
+  pool ([Note: bucket pool]). Buckets alive at once: those in flight plus
   those being filled, usually one or two, each at most ``bucket_cap_mb`` (a bucket
   complete before an earlier one waits for it; a param larger than the cap is a bucket
   of its own).
@@ -434,22 +436,23 @@ class Reducer:
         self._next = b + 1
         while len(self._in_flight) >= MAX_IN_FLIGHT:
             self._finish(*self._in_flight.popleft())
-        pending = self.comm.reduce_scatter_(buf, self._plan.layout.buffers[b].bounds)
-        self._in_flight.append((b, buf, base, pending))
-
-    def _finish(self, b: int, buf: torch.Tensor, base: torch.Tensor | None, pending) -> None:
-        pending.wait()
-        lo, hi = self._plan.owned[b]
         if self._reduced is not self._plan:
             self._shards, self._reduced = [None] * len(self._plan.sizes), self._plan
-        shard = self._shards[b]
-        if b in self._written:
-            shard.add_(buf[lo:hi])
-        else:
-            if shard is None:
-                shard = self._shards[b] = torch.empty(hi - lo, dtype=buf.dtype, device=buf.device)
-            shard.copy_(buf[lo:hi])
-            self._written.add(b)
+        into = None
+        if b not in self._written:  # the first reduction since the step: straight into the shard
+            lo, hi = self._plan.owned[b]
+            into = self._shards[b]
+            if into is None:
+                into = self._shards[b] = torch.empty(hi - lo, dtype=buf.dtype, device=buf.device)
+        pending = self.comm.reduce_scatter_(buf, self._plan.layout.buffers[b].bounds, out=into)
+        self._in_flight.append((b, buf, base, into is not None, pending))
+
+    def _finish(self, b: int, buf: torch.Tensor, base: torch.Tensor | None, direct: bool, pending) -> None:
+        pending.wait()
+        if not direct:  # accumulating: this backward's average added to the shard's
+            lo, hi = self._plan.owned[b]
+            self._shards[b].add_(buf[lo:hi])
+        self._written.add(b)
         if base is None:
             self.bucket_bytes -= buf.nbytes
         else:

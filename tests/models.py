@@ -403,9 +403,9 @@ def count_reduce_scatters(opt) -> list[int]:
     comm = opt.gradient_path.comm
     reduce_scatter = comm.reduce_scatter_
 
-    def counted(buffer, bounds):
+    def counted(buffer, bounds, **kwargs):
         scattered.append(buffer.numel())
-        return reduce_scatter(buffer, bounds)
+        return reduce_scatter(buffer, bounds, **kwargs)
 
     comm.reduce_scatter_ = counted
     return scattered

@@ -35,6 +35,13 @@ def _run(rank, world_size, n):
             fut = comm.reduce_scatter_(buf, bounds)
             assert fut.wait() is buf
             out[how, name] = (bounds, buf)
+            # out=: the mean of this rank's range lands there (the same bits), the rest of buf untouched
+            buf = _local(rank, n)
+            lo, hi = min(bounds[rank], n), min(bounds[rank + 1], n)
+            into = torch.full((hi - lo,), float("nan"), dtype=torch.float64)
+            assert comm.reduce_scatter_(buf, bounds, out=into).wait() is buf
+            rest = torch.cat([buf[:lo], buf[hi:]]) if how != "all_reduce" else None
+            out[how, name, "out"] = (bounds, into, rest)
     buf = _local(rank, n)
     comm.all_reduce_mean_(buf).wait()
     out["mean"] = buf
@@ -49,11 +56,29 @@ def test_each_rank_gets_the_mean_of_its_range(world_size):
     mean = sum(_local(r, n) for r in range(world_size)) / world_size
     for rank, out in enumerate(per_rank):
         torch.testing.assert_close(out["mean"], mean, rtol=0, atol=1e-15)
-        for (how, name), (bounds, buf) in ((k, v) for k, v in out.items() if k != "mean"):
-            lo, hi = min(bounds[rank], n), min(bounds[rank + 1], n)
+        for key, value in ((k, v) for k, v in out.items() if k != "mean"):
+            how, name = key[:2]
+            lo, hi = min(value[0][rank], n), min(value[0][rank + 1], n)
+            if len(key) == 3:  # out=
+                bounds, into, rest = value
+                assert torch.equal(into, out[how, name][1][lo:hi]), f"{how} {name}: out= differs from in place"
+                if rest is not None:
+                    own = _local(rank, n)
+                    torch.testing.assert_close(rest, torch.cat([own[:lo], own[hi:]]), rtol=0, atol=0)
+                continue
+            bounds, buf = value
             torch.testing.assert_close(buf[lo:hi], mean[lo:hi], rtol=0, atol=1e-15, msg=f"{how} {name}")
             if how == "all_reduce":
                 torch.testing.assert_close(buf, mean, rtol=0, atol=1e-15)
+
+
+def test_out_of_the_wrong_size_is_refused_before_anything_is_sent():
+    comm = Comm()  # world size 1: no process group needed
+    with pytest.raises(ValueError, match="out must be 1-D with 8 elements of torch.float64"):
+        comm.reduce_scatter_(torch.zeros(8, dtype=torch.float64), [0, 8], out=torch.zeros(7, dtype=torch.float64))
+    into = torch.zeros(8, dtype=torch.float64)
+    comm.reduce_scatter_(torch.arange(8, dtype=torch.float64), [0, 8], out=into).wait()
+    assert torch.equal(into, torch.arange(8, dtype=torch.float64))
 
 
 def test_unknown_primitive_is_named_when_the_strategy_is_made():
