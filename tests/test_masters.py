@@ -438,7 +438,7 @@ def test_16bit_params_with_masters_match_reference(dtype, chunk, monkeypatch):
     from hf_zero import ZeroBucketOptimizer
 
     if chunk is not None:
-        monkeypatch.setattr(hf_zero._partition, "_GRAD_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(hf_zero._partition, "_CPU_GRAD_CHUNK_ELEMENTS", chunk)
     model = build_model("mlp", dtype)
     params16 = [p.detach().clone() for p in model.parameters()]
     masters = [p.float() for p in params16]
