@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 _HOMES = {
     "ZeroBucketOptimizer": "._optimizer",
     "prepare_accelerator": ".integrations.accelerate",
+    "prepare_grad_scaler": ".integrations.amp",
     "ZeroBucketCallback": ".integrations.transformers",
 }
 
@@ -36,12 +37,13 @@ def _importable(name: str) -> bool:
         return False
 
 
-__all__ = ["ZeroBucketOptimizer", "prepare_accelerator"]
+__all__ = ["ZeroBucketOptimizer", "prepare_accelerator", "prepare_grad_scaler"]
 if _importable("transformers"):  # checked without importing it
     __all__.append("ZeroBucketCallback")
 
 if TYPE_CHECKING:
     from .integrations.accelerate import prepare_accelerator
+    from .integrations.amp import prepare_grad_scaler
     from .integrations.transformers import ZeroBucketCallback
     from ._optimizer import ZeroBucketOptimizer
 

@@ -130,6 +130,18 @@ class GradientPath:
             )
         return grads
 
+    def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, allow_fp16: bool) -> None:
+        """Stage 2: what ``torch.amp.GradScaler.unscale_`` does to an optimizer's grads, for this rank's shards:
+        multiply them by ``inv_scale``, and set ``found_inf`` (GradScaler's 0-dim float32 flag) to 1 if any rank's
+        shard holds an inf or NaN (one MAX all-reduce: every rank skips the same steps). Collective. A scaler
+        reaches it through ``hf_zero.prepare_grad_scaler`` (``_stage2.Reducer.unscale_``)."""
+        if self.stage2 is None:
+            raise ValueError(
+                "gradient_path.unscale_ is for stage=2, whose grads live in shards; under stage 1 the grads are "
+                "in p.grad and torch's GradScaler unscales them itself"
+            )
+        self.stage2.unscale_(inv_scale, found_inf, allow_fp16=allow_fp16)
+
     def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float, broadcast_buffers: bool = True,
                     local_accumulation: bool = True, overlap_default: bool = False) -> None:
         """The body of ``ZeroBucketOptimizer.bind_module`` (documented there; ``local_accumulation``:

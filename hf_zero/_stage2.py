@@ -64,6 +64,10 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
   none (DDP's ``find_unused_parameters`` leaves it None too; the optimizer skips it):
   the first read after a backward agrees on that with one small all-reduce. The step
   consumes the shards (as ``zero_grad`` would).
+- **GradScaler.** :meth:`Reducer.unscale_` unscales the shards and agrees on inf/NaN over
+  every rank's shard (one MAX all-reduce), for a GradScaler routed to it
+  ([Note: GradScaler over sharded grads] in integrations/amp.py). When the scaler then
+  skips the step, the next backward drops the unscaled shards first, as a step would.
 """
 
 from __future__ import annotations
@@ -184,6 +188,7 @@ class Reducer:
         self._reduced: _Plan | None = None  # the plan the shards follow
         self.touched: set[int] = set()  # params with a local grad reduced since the last step
         self._present: frozenset | None = None  # agreed over ranks at the first read
+        self._unscaled = False  # a GradScaler unscaled the shards (unscale_): the next backward starts fresh
         self.bucket_bytes = 0  # reduce buckets alive now
         self.peak_bucket_bytes = 0  # their most since the last step
 
@@ -339,6 +344,8 @@ class Reducer:
             self._launch_ready()
 
     def _begin(self, root) -> None:
+        if self._unscaled:  # unscaled, then no step (GradScaler skipped it on an inf): these grads are spent
+            self.step_taken()
         plan = self._current_plan()
         if self._written and self._reduced is not plan:
             raise RuntimeError(
@@ -518,11 +525,34 @@ class Reducer:
             self._present = frozenset(mask.nonzero().flatten().tolist())
         return ShardedGrads(self._reduced, self._shards, self._present, self.comm.rank)
 
+    def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, allow_fp16: bool) -> None:
+        """A GradScaler's unscale of this rank's shards ([Note: GradScaler over sharded grads] in
+        integrations/amp.py): check them for inf/NaN, multiply them by ``inv_scale``, and set
+        ``found_inf`` (GradScaler's 0-dim float32 flag) to 1 if any rank's shard holds one: one MAX
+        all-reduce, so every rank skips the same steps. The next backward starts fresh unless a
+        step or ``zero_grad`` comes first (after an inf GradScaler skips the step). Collective."""
+        self.sharded()  # its checks, and the agreement on which params have grads (the step's, done here once)
+        written = sorted(self._written) if self._reduced is not None else []  # the same buffers on every rank
+        if not allow_fp16 and any(self._reduced.layout.buffers[b].dtype == torch.float16 for b in written):
+            raise ValueError("Attempting to unscale FP16 gradients.")  # torch's GradScaler.unscale_, word for word
+        device = self.comm.device
+        flags = []
+        for b in written:
+            shard = self._shards[b]
+            if shard.numel():  # checked before unscaling, as torch's kernel does
+                flags.append(torch.isfinite(shard).all().logical_not().to(device))
+                shard.mul_(inv_scale.to(shard.device))
+        local = torch.stack(flags).any().float() if flags else torch.zeros((), dtype=torch.float32, device=device)
+        self.comm.all_reduce_(local, op="max", what="agreeing on non-finite gradients (GradScaler)")
+        found_inf.copy_(torch.maximum(found_inf, local.to(found_inf.device)))
+        self._unscaled = True
+
     def step_taken(self) -> None:
         """The step consumed the grads (or ``zero_grad``): the shards hold nothing now."""
         if self._armed and graph_task_id() == -1:
             self._abandon()
         self._broken = False
+        self._unscaled = False
         self._written.clear()
         self.touched.clear()
         self._present = None

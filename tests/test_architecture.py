@@ -39,6 +39,7 @@ LAYERS = [
     "integrations._clipping",
     "integrations._backward",
     "integrations._refusals",
+    "integrations.amp",
     "integrations.accelerate",
     "integrations.transformers",
     "_autoload",

@@ -202,3 +202,56 @@ def test_prepare_without_ddp_relies_on_evaluation_mode_skipping_only_the_ddp_wra
     assert ddp and all(gate < i < end for i in ddp), "DDP built outside the evaluation_mode gate"
     assert any("get_mixed_precision_context_manager" in line for line in lines[:gate]), "autocast not before it"
     assert any("torch.compile(" in line for line in lines[end:]), "torch.compile not after it"
+
+
+def test_route_unscale_is_what_gradscaler_reads_grads_through():
+    """hf_zero/integrations/amp.py relies on torch's GradScaler finding an optimizer's grads only
+    through ``_unscale_grads_`` (in ``unscale_`` and in ``step`` without one), and on ``step``
+    (skip) and ``update`` (back off) reading only the record it returns."""
+    import copy
+    import pickle
+
+    params = inspect.signature(torch.amp.GradScaler._unscale_grads_).parameters
+    assert tuple(params) == _compat.UNSCALE_GRADS_PARAMS
+    seen = []
+
+    class Stepper(torch.optim.SGD):  # a stand-in for a stage-2 optimizer: its grads are not in p.grad
+        pass
+
+    def route(optimizer, inv_scale, found_inf, allow_fp16):
+        if not isinstance(optimizer, Stepper):
+            return None
+        seen.append((inv_scale.item(), allow_fp16))
+        found_inf.fill_(float(len(seen) == 2))  # the second iteration overflows
+        return {found_inf.device: found_inf}
+
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = Stepper([p], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    _compat.route_unscale(scaler, route)
+    _compat.route_unscale(scaler, route)  # idempotent
+    for explicit in (True, False):  # unscale_ then step; step alone
+        scaler.scale(torch.ones(()))  # (the scale tensor is made at the first scale())
+        p.grad = torch.ones(2)  # what torch itself would unscale (it must not, here)
+        if explicit:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    assert seen == [(1 / 8, False), (1 / 8, False)]
+    assert torch.equal(p.detach(), torch.zeros(2))  # stepped once (grad 1 as given, not unscaled), then skipped
+    assert scaler.get_scale() == 4.0  # the overflow of the second iteration backed the scale off
+    # Another optimizer goes to torch's own method.
+    q = torch.nn.Parameter(torch.ones(2))
+    plain = torch.optim.SGD([q], lr=1.0)
+    q.grad = torch.full((2,), 4.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(plain)
+    assert torch.equal(q.grad, torch.ones(2))
+    scaler.step(plain)
+    scaler.update()
+    # A routed scaler still pickles and copies (Accelerate's objects may be), and the copy is routed
+    # to itself (hf_zero's route: a module-level function; the test's local one does not pickle).
+    routed = hf_zero.prepare_grad_scaler(torch.amp.GradScaler("cpu"))
+    for clone in (pickle.loads(pickle.dumps(routed)), copy.deepcopy(routed)):
+        assert vars(clone)["_unscale_grads_"].scaler is clone
+        assert vars(clone)["_unscale_grads_"].route is vars(routed)["_unscale_grads_"].route

@@ -68,18 +68,35 @@ def test_sync_batch_norm_is_refused_before_anything_changes():
 
 
 @pytest.mark.fast
-def test_fp16_grad_scaler_and_ddp_comm_hooks_are_refused_at_prepare():
+def test_ddp_comm_hooks_are_refused_and_the_fp16_grad_scaler_is_prepared_at_prepare():
     from accelerate import Accelerator
     from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
 
     def prepare(accelerator):
         model = torch.nn.Linear(3, 2)
-        accelerator.prepare(model, hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, stage=2))
+        return accelerator.prepare(model, hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, stage=2))
 
-    accelerator = Accelerator(cpu=True)
-    accelerator.scaler = torch.amp.GradScaler("cpu")
-    with pytest.raises(ValueError, match=r"stage=2 with fp16 mixed precision \(a GradScaler\) is not supported"):
-        prepare(accelerator)
+    # fp16's GradScaler (one process here; 2 ranks: tests/test_stage2_fp16.py) unscales the shards:
+    # torch's own would find every p.grad None and raise "No inf checks were recorded" in step().
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    try:
+        accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+        accelerator.native_amp = True  # Accelerate makes no GradScaler on CPU: give it torch's CPU one
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        model, optimizer = prepare(accelerator)
+        before = model.weight.detach().clone()
+        accelerator.backward(model(torch.ones(2, 3)).sum())
+        assert model.weight.grad is None
+        # unscaled: grads 2 (weight, 6 elements) and 2 (bias, 2), not 4x that
+        assert accelerator.clip_grad_norm_(model.parameters(), 1e9).item() == pytest.approx(32**0.5)
+        optimizer.step()
+        assert not optimizer.step_was_skipped and not torch.equal(before, model.weight)
+    finally:
+        AcceleratorState._reset_state()
+        GradientState._reset_state()
     handler = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)
     with pytest.raises(ValueError, match=r"the DDP communication hook 'fp16' .* would never run"):
         prepare(Accelerator(cpu=True, kwargs_handlers=[handler]))

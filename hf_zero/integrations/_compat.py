@@ -131,6 +131,57 @@ def prepare_without_ddp(accelerator_class: type, wanted: Callable[[Any, Any], bo
     accelerator_class.prepare_model = prepare_model
 
 
+# -- torch -----------------------------------------------------------------------------
+# torch.amp.GradScaler._unscale_grads_'s parameters, read in torch 2.13 (FSDP's ShardedGradScaler overrides it
+# with the same ones); route_unscale checks them when it is used, tests/test_compat.py what the scaler does with it.
+UNSCALE_GRADS_PARAMS = ("self", "optimizer", "inv_scale", "found_inf", "allow_fp16")
+
+
+class _RoutedUnscale:
+    """A GradScaler's ``_unscale_grads_``, asking ``route`` first (a plain object, not a closure:
+    the scaler still pickles, e.g. inside a copied Accelerator)."""
+
+    def __init__(self, scaler, route: Callable):
+        self.scaler, self.route = scaler, route
+
+    def __call__(self, optimizer, inv_scale, found_inf, allow_fp16):
+        found = self.route(optimizer, inv_scale, found_inf, allow_fp16)
+        if found is None:
+            return type(self.scaler)._unscale_grads_(self.scaler, optimizer, inv_scale, found_inf, allow_fp16)
+        return found
+
+
+def route_unscale(scaler, route: Callable[[Any, Any, Any, bool], "dict | None"]) -> None:
+    """Have ``scaler`` (a ``torch.amp.GradScaler``, this instance only) unscale and inf-check an
+    optimizer's grads with ``route(optimizer, inv_scale, found_inf, allow_fp16)`` where that returns
+    GradScaler's found-inf record (``{device: found_inf}``), and as torch does where it returns None.
+
+    torch's GradScaler reads grads in one method, ``_unscale_grads_(optimizer, inv_scale,
+    found_inf, allow_fp16)``: ``unscale_`` (and so ``step`` without an explicit one) and
+    ``_check_inf_per_device`` call it, and ``step`` and ``update`` read the record it returns.
+    torch's own ``ShardedGradScaler`` (FSDP) overrides the same method; there is no public route.
+    Idempotent (a second call replaces ``route``)."""
+    import inspect
+
+    import torch
+
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"expected a torch.amp.GradScaler, got {type(scaler).__name__}")
+    method = _require(type(scaler), "_unscale_grads_", "torch")
+    if tuple(inspect.signature(method).parameters) != UNSCALE_GRADS_PARAMS:
+        raise CompatError(
+            f"hf_zero: torch {torch.__version__}'s {type(scaler).__name__}._unscale_grads_ takes "
+            f"{tuple(inspect.signature(method).parameters)}, not {UNSCALE_GRADS_PARAMS}, which hf_zero relies on "
+            "to unscale stage 2's sharded grads; please report this with your versions of hf_zero, torch, "
+            "transformers and accelerate"
+        )
+    current = vars(scaler).get("_unscale_grads_")
+    if isinstance(current, _RoutedUnscale):
+        current.route = route
+    else:
+        scaler._unscale_grads_ = _RoutedUnscale(scaler, route)
+
+
 # -- transformers -------------------------------------------------------------------
 _CREATING: contextvars.ContextVar = contextvars.ContextVar("hf_zero_creating_trainer", default=None)
 _RESUMED: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()

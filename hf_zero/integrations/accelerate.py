@@ -24,6 +24,7 @@ from . import _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
 from ._clipping import route_clipping
 from ._refusals import refusal, unsupported
+from .amp import prepare_grad_scaler
 
 _DDP_HINT = (
     "To freeze params during training, build the Accelerator with "
@@ -166,11 +167,6 @@ def _bind_stage2(accelerator, opt: ZeroBucketOptimizer, model: torch.nn.Module) 
     ``ddp_bucket_cap_mb`` / ``ddp_broadcast_buffers``). Every micro-batch is reduced into the shards unless
     ``local_accumulation`` was chosen (``accumulate`` / Trainer call ``no_sync`` on all but the last).
     A model the user bound already keeps its binding."""
-    if getattr(accelerator, "scaler", None) is not None:
-        raise ValueError(
-            "hf_zero: stage=2 with fp16 mixed precision (a GradScaler) is not supported yet: its grads live in "
-            "shards the scaler does not see. Use bf16, or stage=1"
-        )
     handler = getattr(accelerator, "ddp_handler", None)
     hook = getattr(getattr(handler, "comm_hook", None), "value", None)
     if hook not in (None, "no"):
@@ -235,6 +231,9 @@ def _wire(accelerator, prepared=None) -> bool:
                 "Launch with `accelerate launch --multi_gpu --num_processes N` (on CPU set ACCELERATE_USE_CPU=1), "
                 "or pass process_group= to shard over a group of your choice."
             )
+        if _stage2(opt) and getattr(accelerator, "scaler", None) is not None:
+            # fp16: the scaler unscales and inf-checks the shards ([Note: GradScaler over sharded grads], amp.py)
+            prepare_grad_scaler(accelerator.scaler)
         ids = {id(p) for p in opt.params}
         for ddp in list(wiring.ddps):
             if any(id(p) in ids for p in ddp.module.parameters()):
