@@ -535,14 +535,7 @@ class Reducer:
         written = sorted(self._written) if self._reduced is not None else []  # the same buffers on every rank
         if not allow_fp16 and any(self._reduced.layout.buffers[b].dtype == torch.float16 for b in written):
             raise ValueError("Attempting to unscale FP16 gradients.")  # torch's GradScaler.unscale_, word for word
-        device = self.comm.device
-        flags = []
-        for b in written:
-            shard = self._shards[b]
-            if shard.numel():  # checked before unscaling, as torch's kernel does
-                flags.append(torch.isfinite(shard).all().logical_not().to(device))
-                shard.mul_(inv_scale.to(shard.device))
-        local = torch.stack(flags).any().float() if flags else torch.zeros((), dtype=torch.float32, device=device)
+        local = _unscaled_non_finite([self._shards[b] for b in written], inv_scale, self.comm.device)
         self.comm.all_reduce_(local, op="max", what="agreeing on non-finite gradients (GradScaler)")
         found_inf.copy_(torch.maximum(found_inf, local.to(found_inf.device)))
         self._unscaled = True
@@ -557,6 +550,16 @@ class Reducer:
         self.touched.clear()
         self._present = None
         self.peak_bucket_bytes = self.held_bucket_bytes
+
+
+def _unscaled_non_finite(shards: list, inv_scale: torch.Tensor, device) -> torch.Tensor:
+    """Multiply each shard by ``inv_scale``; 1.0 (float32, on ``device``) if any held an inf or NaN before."""
+    flags = []
+    for shard in shards:
+        if shard.numel():  # checked before unscaling, as torch's kernel does
+            flags.append(torch.isfinite(shard).all().logical_not().to(device))
+            shard.mul_(inv_scale.to(shard.device))
+    return torch.stack(flags).any().float() if flags else torch.zeros((), dtype=torch.float32, device=device)
 
 
 class _BucketPool:
