@@ -502,7 +502,7 @@ def _before_forward(reducer_ref):
         if reducer is not None:
             reducer.before_forward(module)
 
-    return before_forward
+    return _eager(before_forward)
 
 
 def _after_forward(reducer_ref):
@@ -510,7 +510,16 @@ def _after_forward(reducer_ref):
         reducer = reducer_ref()
         return None if reducer is None else reducer.after_forward(output)
 
-    return after_forward
+    return _eager(after_forward)
+
+
+def _eager(hook):
+    """[Note: forward hooks under torch.compile] Dynamo inlines a compiled module's ``_call_impl``,
+    its forward hooks included: traced, these hooks broke the user's graph a dozen times (engine
+    state, weak references, autograd nodes of fake outputs) and made ``fullgraph=True`` fail. Run
+    eagerly (as FSDP2 runs its hooks), they are two graph breaks around one graph of the forward, and
+    the post-hook sees the real outputs, whose node is the compiled graph's backward."""
+    return torch.compiler.disable(hook, reason="hf_zero stage 2's forward hooks run eagerly")
 
 
 def _arm(reducer_ref):
