@@ -516,9 +516,11 @@ def _after_forward(reducer_ref):
 def _eager(hook):
     """[Note: forward hooks under torch.compile] Dynamo inlines a compiled module's ``_call_impl``,
     its forward hooks included: traced, these hooks broke the user's graph a dozen times (engine
-    state, weak references, autograd nodes of fake outputs) and made ``fullgraph=True`` fail. Run
-    eagerly (as FSDP2 runs its hooks), they are two graph breaks around one graph of the forward, and
-    the post-hook sees the real outputs, whose node is the compiled graph's backward."""
+    state, weak references, autograd nodes of fake outputs) and made ``fullgraph=True`` fail. Marked
+    so (as FSDP2 marks its hooks), they run eagerly outside the one graph of the forward, with no
+    graph break (``fullgraph=True`` compiles), and the post-hook sees the real outputs, whose node is
+    the compiled graph's backward (tests/test_stage2_compile.py). The mark imports ``torch._dynamo``
+    at ``bind_module`` (about a second, once, where transformers has not imported it already)."""
     return torch.compiler.disable(hook, reason="hf_zero stage 2's forward hooks run eagerly")
 
 
