@@ -83,10 +83,28 @@ class _JoinHook(JoinHook):
     """Shadows the step's collectives on a rank that ran out of inputs (as torch's ZeRO does)."""
 
     def __init__(self, optimizer: "ZeroBucketOptimizer"):
+        if optimizer.gradient_path.stage == 2:
+            raise _no_join_under_stage2()
         self.optimizer = optimizer
 
     def main_hook(self) -> None:
         self.optimizer.step()
+
+
+def _no_join_under_stage2() -> ValueError:
+    """[Note: no Join under stage 2] A joined rank would have to shadow what the others run between
+    two of its steps: the buffer broadcast before each forward, every bucket's reduce-scatter in each
+    backward (how many micro-batches, it cannot know), clipping's all-reduce if they clip, the "had a
+    grad" agreement and the step. And Join's own all-reduce comes first in the joined rank's iteration
+    but only at the step in the others' (stage 2 has no DDP to notify Join at the forward): mismatched
+    collectives, a hang. ``Join.__init__`` calls ``join_hook`` on every rank before anything else, so
+    refusing there is safe."""
+    return ValueError(
+        "hf_zero: stage=2 does not support torch.distributed.algorithms.join.Join (uneven inputs): "
+        "a rank out of inputs cannot shadow the other ranks' per-backward gradient reduce-scatters. "
+        "Use stage=1 (wrap the model in DistributedDataParallel and use Join([ddp_model, optimizer])), "
+        "or give every rank the same number of batches (a DistributedSampler does)"
+    )
 
 
 class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
@@ -370,8 +388,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- Join ------------------------------------------------------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """For :class:`~torch.distributed.algorithms.join.Join`: a rank out of inputs keeps
-        taking steps (with the grads it holds, as torch's ZeroRedundancyOptimizer does)."""
+        """For :class:`~torch.distributed.algorithms.join.Join`: a rank out of inputs keeps taking steps (with its
+        grads, as torch's ZeroRedundancyOptimizer does). Stage 2 raises ``ValueError`` ([Note: no Join under stage 2])."""
         return _JoinHook(self)
 
     @property

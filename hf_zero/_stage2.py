@@ -629,7 +629,7 @@ def _before_forward(reducer_ref):
         if reducer is not None:
             reducer.before_forward(module)
 
-    return before_forward
+    return _eager(before_forward)
 
 
 def _after_forward(reducer_ref):
@@ -637,7 +637,18 @@ def _after_forward(reducer_ref):
         reducer = reducer_ref()
         return None if reducer is None else reducer.after_forward(output)
 
-    return after_forward
+    return _eager(after_forward)
+
+
+def _eager(hook):
+    """[Note: forward hooks under torch.compile] Dynamo inlines a compiled module's ``_call_impl``,
+    its forward hooks included: traced, these hooks broke the user's graph a dozen times (engine
+    state, weak references, autograd nodes of fake outputs) and made ``fullgraph=True`` fail. Marked
+    so (as FSDP2 marks its hooks), they run eagerly outside the one graph of the forward, with no
+    graph break (``fullgraph=True`` compiles), and the post-hook sees the real outputs, whose node is
+    the compiled graph's backward (tests/test_stage2_compile.py). The mark imports ``torch._dynamo``
+    at ``bind_module`` (about a second, once, where transformers has not imported it already)."""
+    return torch.compiler.disable(hook)
 
 
 def _arm(reducer_ref):
