@@ -6,12 +6,13 @@ bucket whole: docs/stage2.md). :meth:`Reducer.bind` broadcasts the module's para
 buffers from rank 0, as DDP does (buffers again before each forward that syncs grads,
 DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the optimizer:
 
-- **Buckets.** The trainable params, in reverse order (about the order a backward
-  finishes them), are cut into buckets of at most ``bucket_cap_mb`` (one larger param
-  alone), one (device, dtype) each (:func:`plan_buckets`). The optimizer's layout is
-  planned with these buckets ([Note: bucket layout] in _layout.py), so each bucket splits
-  into the N ranges its ranks own. The plan is a function of the params' specs only: a
-  freeze or unfreeze re-plans it identically on every rank.
+- **Buckets.** The trainable params, in reverse order of the bound module's registration
+  (DDP's order, about the order a backward finishes them), are cut into buckets of at most
+  ``bucket_cap_mb`` (one larger param alone), one (device, dtype) each (:func:`plan_buckets`).
+  The optimizer's layout is planned with these buckets ([Note: bucket layout] in
+  _layout.py), so each bucket splits into the N ranges its ranks own. The plan is a function
+  of the params' specs and the module's order only: a freeze or unfreeze re-plans it
+  identically on every rank.
 - **Hook.** Once autograd has finished a param's grad (a post-accumulate-grad hook), it
   is copied into its bucket (allocated at its first copy) and ``p.grad`` is set to None.
   Params get their hook at bind, or before the first forward after they need a grad
@@ -89,12 +90,13 @@ DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
 MAX_IN_FLIGHT = 2  # buckets being reduce-scattered at once (see the note)
 
 
-def plan_buckets(specs, cap_bytes: int) -> tuple[tuple[int, ...], ...]:
-    """The trainable params' indices, last first, cut into buckets of at most ``cap_bytes``
-    (a larger param alone), each of one (device, dtype). Pure: the same on every rank."""
+def plan_buckets(specs, cap_bytes: int, order=None) -> tuple[tuple[int, ...], ...]:
+    """The trainable params' indices in ``order`` (every index once; default: last first), cut into
+    buckets of at most ``cap_bytes`` (a larger param alone), each of one (device, dtype). Pure: the
+    same on every rank."""
     buckets: list[list[int]] = []
     key, size = None, 0
-    for i in reversed(range(len(specs))):
+    for i in reversed(range(len(specs))) if order is None else order:
         s = specs[i]
         if not s.trainable or s.numel == 0:
             continue
@@ -236,6 +238,7 @@ class Reducer:
         self._handles.append(module.register_forward_pre_hook(_before_forward(me)))
         self._handles.append(module.register_forward_hook(_after_forward(me)))
         self.module_ref = weakref.ref(module)
+        self._plan_key = None  # planned again, in the module's order
         module.no_sync = self.no_sync if local_accumulation else contextlib.nullcontext
 
     def _hook_params(self) -> None:
@@ -267,14 +270,28 @@ class Reducer:
     # -- planning --------------------------------------------------------------------------
     def buckets(self) -> tuple[tuple[int, ...], ...]:
         """The buckets of the current specs (what the optimizer plans its layout with)."""
-        return plan_buckets(self._table().specs(), self.cap_bytes)
+        return self._current_plan().layout.buckets
+
+    def _backward_order(self) -> list[int]:
+        """The optimizer's params, last first, in the bound module's registration order, as DDP
+        orders its buckets: about the order a backward finishes them. Not the optimizer's order:
+        Trainer's param groups (decay, then no-decay) would put every layer's biases and norms,
+        down to the first layer's, in the first bucket, and every later bucket would wait for it
+        until the end of the backward (a whole gradient alive at once: 16 of GPT-2's 17 buckets).
+        Params the module does not hold come last."""
+        table, module = self._table(), self.module_ref() if self.module_ref is not None else None
+        order = list(dict.fromkeys(i for i in (table.index(p) for p in module.parameters()) if i is not None)) \
+            if module is not None else []
+        order.reverse()
+        placed = set(order)
+        return order + [i for i in reversed(range(len(table.params))) if i not in placed]
 
     def _current_plan(self) -> _Plan:
         specs = self._table().specs()
         key = (tuple(specs), self.cap_bytes)
         if key != self._plan_key:
             layout = plan_layout(specs, world_size=self.comm.world_size, shard=self._shard,
-                                 buckets=plan_buckets(specs, self.cap_bytes))
+                                 buckets=plan_buckets(specs, self.cap_bytes, self._backward_order()))
             self._plan, self._plan_key = _plan_of(layout, self.comm.rank), key
             self._pool.plan(layout.buffers, self._plan.sizes, self.cap_bytes)
             params = self._table().params

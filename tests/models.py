@@ -411,12 +411,13 @@ def count_reduce_scatters(opt) -> list[int]:
     return scattered
 
 
-def stage2_memory_trace(model, rank: int, *, layer_bytes: int, steps: int = 3, shards: bool = False) -> list[tuple]:
+def stage2_memory_trace(model, rank: int, *, layer_bytes: int, steps: int = 3, shards: bool = False,
+                        groups: str = "one") -> list[tuple]:
     """Train ``model`` (its forward returns the loss of a (4, 32) float64 batch) ``steps`` steps under
     stage 2 with one-layer buckets; per backward: every p.grad freed, reduce-bucket bytes in use after,
     the most held during (the pool's included), the bytes the pool keeps after, (the shards' bytes,) the
-    bucket count."""
-    opt = make_zero(Setup(), model, stage=2)
+    bucket count. ``groups``: the optimizer's param groups (``param_groups``)."""
+    opt = make_zero(Setup(groups=groups), model, stage=2)
     opt.bind_module(model, bucket_cap_mb=layer_bytes / (1 << 20))
     reducer = opt.gradient_path.stage2
     seen = []

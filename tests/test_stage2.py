@@ -207,8 +207,8 @@ class Deep(torch.nn.Module):
 LAYER_BYTES = (32 * 32 + 32) * 8
 
 
-def _memory(rank, world_size):
-    return stage2_memory_trace(Deep(), rank, layer_bytes=LAYER_BYTES, shards=True)
+def _memory(rank, world_size, groups="one"):
+    return stage2_memory_trace(Deep(), rank, layer_bytes=LAYER_BYTES, shards=True, groups=groups)
 
 
 def _broadcast_at_bind(rank, world_size):
@@ -268,6 +268,7 @@ def _lot(rank, world_size):
     out = {f"stage1-{k}": _stage1_run(rank, world_size, *v) for k, v in BITWISE.items()}
     out.update({f"stage2-{k}": _stage2_run(rank, world_size, *v) for k, v in BITWISE.items()})
     out["memory"] = _memory(rank, world_size)
+    out["memory-decay"] = _memory(rank, world_size, "decay")
     out["broadcast"] = _broadcast_at_bind(rank, world_size)
     out["buffers"] = [_buffers_each_forward(rank, world_size, b) for b in (True, False)]
     return out
@@ -311,6 +312,19 @@ def test_no_full_gradient_is_alive_after_the_backward():
             assert 0 < peak <= 3 * LAYER_BYTES, peak
             assert pooled <= peak, (pooled, peak)
             assert shards <= total / world_size + 8 * 64, (shards, total / world_size)
+
+
+@pytest.mark.timeout(220)
+def test_buckets_follow_the_model_not_the_param_groups():
+    """Trainer's param groups (matrices decayed, then biases and norms not) order the optimizer's params
+    by group: planned in that order, the first bucket would hold every layer's bias, the first layer's
+    too, and every later bucket would wait for it to the end of the backward (a whole gradient alive).
+    Planned in the model's order (DDP's), at most three one-layer buckets are held at once, as with one
+    group."""
+    for r in _lot_results():
+        for freed, alive, peak, pooled, shards, buckets in r["memory-decay"]:
+            assert freed and alive == 0
+            assert 0 < peak <= 3 * LAYER_BYTES, (peak, 3 * LAYER_BYTES)
 
 
 def _resident_mib() -> float:
