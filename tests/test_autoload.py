@@ -11,33 +11,27 @@ installed (``pip install -e .`` or ``pip install .``): the start-up hook is the
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests._procs import Result, Run, start, wait_all
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 WORLD = 2
 # Every run here ends its process group (train_any.py destroys it; trl's sft script calls
 # trainer.end()), so every run must exit 0: an abort or a hang at exit fails the test.
 # (A plain ending is measured against a plain DDP + AdamW control in tests/test_exit.py.)
-# A run still alive EXIT_GRACE_S after its outputs were complete is killed and fails.
-EXIT_GRACE_S = 30.0
+# A run still alive EXIT_GRACE_S (tests/_procs.py) after its outputs were complete is killed and fails.
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -50,96 +44,12 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _processes() -> dict[int, tuple[int, str]]:
-    """{pid: (parent pid, start time)} of every process (Linux /proc)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                table[int(entry)] = (int(fields[1]), fields[19])
-    return table
+def _start(cmd: list[str], cwd: Path, outputs_complete: Callable[[str], bool] | None = None, **env: str) -> Run:
+    """Start ``cmd`` in a session of its own (tests/_procs.py), in :func:`_env` plus ``env``."""
+    return start(cmd, cwd, _env(**env), outputs_complete)
 
 
-def _descendants(pid: int) -> set[tuple[int, str]]:
-    """(pid, start time) of the live descendants of ``pid``: launchers start their workers in
-    sessions of their own, out of reach of a kill of the launcher's process group."""
-    table, found, frontier = _processes(), set(), {pid}
-    while frontier:
-        frontier = {child for child, (parent, _) in table.items() if parent in frontier}
-        found |= {(child, table[child][1]) for child in frontier}
-    return found
-
-
-@dataclass
-class _Run:
-    proc: subprocess.Popen
-    log: IO[str]  # stdout and stderr (a file, not a pipe: a full pipe would stall the run)
-    outputs_complete: Callable[[str], bool] | None  # given the output so far; None: judge by exit code
-    seen: set[tuple[int, str]] = field(default_factory=set)  # descendants seen so far
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def kill(self) -> None:
-        """SIGKILL the process, its process group and every descendant seen (orphans included)."""
-        self.seen |= _descendants(self.proc.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        table = _processes()
-        for pid, started in self.seen:
-            if table.get(pid, (None, None))[1] == started:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        self.proc.wait()
-
-
-@dataclass
-class _Result:
-    rc: int | None  # None: killed while hanging at exit, EXIT_GRACE_S after its outputs were complete (a failure)
-    out: str
-    outputs_complete: bool
-
-
-def _start(cmd: list[str], cwd: Path, outputs_complete: Callable[[str], bool] | None = None, **env: str) -> _Run:
-    """Start ``cmd`` in a session of its own, output to a temporary file."""
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, cwd=cwd, env=_env(**env), stdout=log, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    return _Run(proc, log, outputs_complete)
-
-
-def _wait(runs: dict[str, _Run], timeout: float) -> dict[str, _Result]:
-    """Results once every run has ended (one deadline for all); a run whose outputs are
-    complete but which is still alive EXIT_GRACE_S later is killed (rc None: a hang, which
-    :func:`_assert_finished` fails). In the end every process started is killed, also on failure."""
-    deadline = time.monotonic() + timeout
-    complete_since: dict[str, float] = {}
-    results: dict[str, _Result] = {}
-    try:
-        while len(results) < len(runs):
-            for name, run in runs.items():
-                if name in results:
-                    continue
-                run.seen |= _descendants(run.proc.pid)
-                if run.proc.poll() is not None:
-                    complete = run.outputs_complete(run.output()) if run.outputs_complete else True
-                    results[name] = _Result(run.proc.returncode, run.output(), complete)
-                elif run.outputs_complete and run.outputs_complete(run.output()):
-                    if time.monotonic() - complete_since.setdefault(name, time.monotonic()) > EXIT_GRACE_S:
-                        run.kill()
-                        results[name] = _Result(None, run.output(), True)
-            if len(results) < len(runs) and time.monotonic() > deadline:
-                late = {name: run.output()[-3000:] for name, run in runs.items() if name not in results}
-                pytest.fail(f"not finished in {timeout} s: {sorted(late)}; output tails:\n{late}")
-            time.sleep(0.2)
-        return results
-    finally:
-        for run in runs.values():
-            run.kill()
-            run.log.close()
+_wait = wait_all
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float, **env: str) -> tuple[int, str]:
@@ -147,7 +57,7 @@ def _run(cmd: list[str], cwd: Path, timeout: float, **env: str) -> tuple[int, st
     return result.rc, result.out
 
 
-def _assert_finished(result: _Result, what: str) -> None:
+def _assert_finished(result: Result, what: str) -> None:
     """The run did all its work and exited 0 (no abort, no hang at exit)."""
     if result.outputs_complete and result.rc == 0:
         return
@@ -155,7 +65,7 @@ def _assert_finished(result: _Result, what: str) -> None:
     pytest.fail(f"{what}: {how}, outputs complete: {result.outputs_complete}; output tail:\n{result.out[-6000:]}")
 
 
-def _assert_finished_or_stack_hang(result: _Result, optim: str, what: str) -> None:
+def _assert_finished_or_stack_hang(result: Result, optim: str, what: str) -> None:
     """As :func:`_assert_finished`, except that the plain-torch control (``adamw_torch_fused``) may
     hang at exit once its outputs are complete: torch's own deadlock ([Note: exit after a
     last gather] in hf_zero/integrations/transformers.py), reported; its outputs
@@ -182,7 +92,7 @@ def _cli(args: dict) -> list[str]:
     return [item for key, value in args.items() for item in (f"--{key}", str(value))]
 
 
-def _train_any(script_args: list[str], output_dir: Path, cwd: Path) -> _Run:
+def _train_any(script_args: list[str], output_dir: Path, cwd: Path) -> Run:
     """``train_any.py`` under torchrun on WORLD gloo processes; complete once every rank wrote ``done-<rank>``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
            str(SCRIPTS / "train_any.py"), *script_args]

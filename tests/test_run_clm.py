@@ -51,20 +51,18 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests._procs import Result, start, wait_all
+
 SCRIPT = Path(os.environ.get("HF_ZERO_RUN_CLM", "run_clm.py (HF_ZERO_RUN_CLM unset)"))
 WORDS = [f"w{i}" for i in range(19)]
 VOCAB = ["<unk>", "<pad>", "<eos>", *WORDS]  # 22 tokens
 STEPS, SAVE_AT = 6, 3
-EXIT_GRACE_S = 30.0  # alive this long after its outputs were complete: a hang at exit
 ABORT = re.compile(r"terminate called without an active exception")
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -122,97 +120,20 @@ def _logged(out: Path) -> list[dict]:
     return [e for e in history if "loss" in e]
 
 
-def _processes() -> dict[int, tuple[int, str]]:
-    """{pid: (parent pid, start time)} of every process (Linux /proc)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                table[int(entry)] = (int(fields[1]), fields[19])
-    return table
+def _launch(cmd: list[str], out: Path, cache: Path):
+    """Start one command (tests/_procs.py), offline, with a datasets cache of its own; its outputs
+    are complete when :func:`_complete` says so."""
+    env = {k: v for k, v in os.environ.items() if k != "HF_ZERO_AUTOLOAD"}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=str(cache),
+               HF_HOME=str(cache / "hf_home"))
+    return start(cmd, out.parent, env, lambda _output: _complete(out))
 
 
-class _Run:
-    """One command in a session of its own, output to a file; tracks its descendants (torchrun's
-    workers) so that a kill reaches them all."""
-
-    def __init__(self, name: str, cmd: list[str], out: Path, cache: Path, control: bool = False):
-        self.name, self.out, self.control = name, out, control
-        env = {k: v for k, v in os.environ.items() if k != "HF_ZERO_AUTOLOAD"}
-        env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-                   TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", HF_DATASETS_CACHE=str(cache),
-                   HF_HOME=str(cache / "hf_home"))
-        self.log = tempfile.TemporaryFile("w+")
-        self.proc = subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self.seen: set[tuple[int, str]] = set()
-        self.complete_since: float | None = None
-        self.rc: int | None = None
-        self.hung = False
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def watch(self) -> None:
-        table, frontier = _processes(), {self.proc.pid}
-        while frontier:
-            frontier = {child for child, (parent, _) in table.items() if parent in frontier}
-            self.seen |= {(child, table[child][1]) for child in frontier}
-
-    def kill(self) -> None:
-        self.watch()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        table = _processes()
-        for pid, started in self.seen:
-            if table.get(pid, (None, None))[1] == started:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        self.proc.wait()
-
-
-def _wait(runs: list[_Run], timeout: float) -> None:
-    """Until every run ended, or was killed EXIT_GRACE_S after its outputs were complete (``hung``);
-    past ``timeout`` the test fails. Every process started is killed in the end."""
-    deadline = time.monotonic() + timeout
-    try:
-        while any(r.rc is None and not r.hung for r in runs):
-            for r in runs:
-                if r.rc is not None or r.hung:
-                    continue
-                r.watch()
-                if r.proc.poll() is not None:
-                    r.rc = r.proc.returncode
-                elif _complete(r.out):
-                    r.complete_since = r.complete_since or time.monotonic()
-                    if time.monotonic() - r.complete_since > EXIT_GRACE_S:
-                        r.kill()
-                        r.hung = True
-            if time.monotonic() > deadline:
-                late = {r.name: r.output()[-3000:] for r in runs if r.rc is None and not r.hung}
-                pytest.fail(f"not finished in {timeout} s: {sorted(late)}; output tails:\n{late}")
-            time.sleep(0.2)
-    finally:
-        for r in runs:
-            r.kill()
-
-
-def _exit_aborted(run: _Run) -> bool:
+def _exit_aborted(text: str) -> bool:
     """torchrun reports its failed workers, each killed by SIGABRT, and one printed gloo's abort."""
-    text = run.output()
     codes = re.findall(r"exitcode\s*:\s*(-?\d+)", text)
     return bool(codes) and all(int(c) == -signal.SIGABRT for c in codes) and bool(ABORT.search(text))
-
-
-class _Said:
-    def __init__(self, text):
-        self.text = text
-
-    def output(self):
-        return self.text
 
 
 _REPORT = "run_clm.py FAILED\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : {code} (pid: 7) \n"
@@ -227,23 +148,22 @@ _REPORT = "run_clm.py FAILED\n[0]:\n  rank      : 1 (local_rank: 1)\n  exitcode 
     ("terminate called without an active exception\n", False),  # no worker reported at all
 ])
 def test_only_a_sigabrt_of_every_failed_worker_counts_as_an_exit_abort(text, aborted):
-    assert _exit_aborted(_Said(text)) is aborted
+    assert _exit_aborted(text) is aborted
 
 
-def _assert_finished(run: _Run) -> None:
+def _assert_finished(name: str, result: Result, *, control: bool = False) -> None:
     """See the module's docstring, "Exit"."""
-    complete = _complete(run.out)
-    tail = run.output()[-6000:]
-    if complete and run.rc == 0:
+    complete, tail = result.outputs_complete, result.out[-6000:]
+    if complete and result.rc == 0:
         return
-    if complete and run.rc is not None and run.rc != 0 and _exit_aborted(run):
-        print(f"{run.name}: aborted at exit after complete outputs (torch 2.13 gloo, DESIGN.md section 8): reported")
+    if complete and result.rc is not None and result.rc != 0 and _exit_aborted(result.out):
+        print(f"{name}: aborted at exit after complete outputs (torch 2.13 gloo, DESIGN.md section 8): reported")
         return
-    if complete and run.hung and run.control:
-        print(f"{run.name}: the plain-torch control hung at exit (torch's deadlock): reported, outputs compared")
+    if complete and result.rc is None and control:
+        print(f"{name}: the plain-torch control hung at exit (torch's deadlock): reported, outputs compared")
         return
-    how = "hung at exit (killed)" if run.hung else f"exit code {run.rc}"
-    pytest.fail(f"{run.name}: {how}, outputs complete: {complete}; output tail:\n{tail}")
+    how = "hung at exit (killed)" if result.rc is None else f"exit code {result.rc}"
+    pytest.fail(f"{name}: {how}, outputs complete: {complete}; output tail:\n{tail}")
 
 
 def _torchrun(nproc: int) -> list[str]:
@@ -260,18 +180,17 @@ def runs(data) -> dict[str, Path]:
               "stage2-adamw": ["zero_bucket", "--optim_args", "stage=2,inner=adamw"],
               "fused": ["adamw_torch_fused"], "adamw": ["adamw_torch"]}
     dirs = {name: data / name for name in (*optims, "resumed")}
-    first = [_Run(name, [*_torchrun(2), *_args(data, dirs[name], *optim)], dirs[name], data / f"cache-{name}",
-                  control=name in ("fused", "adamw")) for name, optim in optims.items()]
-    _wait(first, timeout=300)
-    for run in first:
-        _assert_finished(run)
+    first = wait_all({name: _launch([*_torchrun(2), *_args(data, dirs[name], *optim)], dirs[name], data / f"cache-{name}")
+                      for name, optim in optims.items()}, timeout=300)
+    for name, result in first.items():
+        _assert_finished(name, result, control=name in ("fused", "adamw"))
     checkpoint = dirs["stage2"] / f"checkpoint-{SAVE_AT}"
-    resumed = _Run("resumed", [sys.executable, *_args(data, dirs["resumed"], "zero_bucket", "--optim_args", "stage=2",
-                                                      "--resume_from_checkpoint", str(checkpoint), per_device=4)],
-                   dirs["resumed"], data / "cache-resumed")
-    _wait([resumed], timeout=200)
-    if not (_complete(resumed.out) and resumed.rc == 0):  # one process, no process group: it must exit 0
-        pytest.fail(f"resumed: exit code {resumed.rc}, hung {resumed.hung}; output tail:\n{resumed.output()[-6000:]}")
+    resumed = wait_all({"resumed": _launch(
+        [sys.executable, *_args(data, dirs["resumed"], "zero_bucket", "--optim_args", "stage=2",
+                                "--resume_from_checkpoint", str(checkpoint), per_device=4)],
+        dirs["resumed"], data / "cache-resumed")}, timeout=200)["resumed"]
+    if not (resumed.outputs_complete and resumed.rc == 0):  # one process, no process group: it must exit 0
+        pytest.fail(f"resumed: exit code {resumed.rc}; output tail:\n{resumed.out[-6000:]}")
     return dirs
 
 
@@ -307,15 +226,21 @@ def test_run_clm_stage2_with_local_accumulation_equals_adamw_torch_fused_bitwise
 @needs_script
 @pytest.mark.timeout(600)
 def test_run_clm_stage2_logs_what_adamw_torch_fused_logs(runs):
-    stage2, fused = runs["stage2"], runs["fused"]
-    assert _column(stage2, "learning_rate") == _column(fused, "learning_rate")
+    _assert_close_runs(runs["stage2"], runs["fused"])
+
+
+def _assert_close_runs(stage2: Path, reference: Path) -> None:
+    """The same learning rates; losses and norms within rtol 1e-6, final weights within 1e-5 (see the
+    module's docstring); hf_zero trained ``stage2`` (its callback's facts), sharded over both ranks."""
+    assert _column(stage2, "learning_rate") == _column(reference, "learning_rate")
     torch.testing.assert_close(torch.tensor(_column(stage2, "loss"), dtype=torch.float64),
-                               torch.tensor(_column(fused, "loss"), dtype=torch.float64), rtol=1e-6, atol=0)
-    torch.testing.assert_close(_norms(stage2), _norms(fused), rtol=1e-6, atol=0)
-    a, b = _weights(stage2), _weights(fused)
+                               torch.tensor(_column(reference, "loss"), dtype=torch.float64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(_norms(stage2), _norms(reference), rtol=1e-6, atol=0)
+    assert max(_column(reference, "grad_norm")) < 10  # --max_grad_norm 10 clips nothing
+    a, b = _weights(stage2), _weights(reference)
+    assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    # hf_zero trained it (its callback's facts), sharded over both ranks
     facts = [e for e in json.loads((stage2 / "trainer_state.json").read_text())["log_history"]
              if "zero_trainable_elements_per_rank" in e]
     assert facts and len(facts[0]["zero_trainable_elements_per_rank"]) == 2
@@ -324,19 +249,7 @@ def test_run_clm_stage2_logs_what_adamw_torch_fused_logs(runs):
 @needs_script
 @pytest.mark.timeout(600)
 def test_run_clm_stage2_inner_adamw_logs_what_adamw_torch_logs(runs):
-    stage2, single = runs["stage2-adamw"], runs["adamw"]
-    assert _column(stage2, "learning_rate") == _column(single, "learning_rate")
-    torch.testing.assert_close(torch.tensor(_column(stage2, "loss"), dtype=torch.float64),
-                               torch.tensor(_column(single, "loss"), dtype=torch.float64), rtol=1e-6, atol=0)
-    torch.testing.assert_close(_norms(stage2), _norms(single), rtol=1e-6, atol=0)
-    assert max(_column(single, "grad_norm")) < 10  # --max_grad_norm 10 clips nothing
-    a, b = _weights(stage2), _weights(single)
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    facts = [e for e in json.loads((stage2 / "trainer_state.json").read_text())["log_history"]
-             if "zero_trainable_elements_per_rank" in e]
-    assert facts and len(facts[0]["zero_trainable_elements_per_rank"]) == 2
+    _assert_close_runs(runs["stage2-adamw"], runs["adamw"])
 
 
 @needs_script
