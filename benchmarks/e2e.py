@@ -337,7 +337,7 @@ def _train(rank, world_size, template, optim, batch, cfg) -> tuple[list[float], 
             output_dir=tmp, optim=TRAINER_RUNS.get(optim, (optim,))[0], optim_args=TRAINER_RUNS.get(optim, (0, None))[1],
             learning_rate=LR, per_device_train_batch_size=batch, max_steps=max_steps,
             use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
-            dataloader_num_workers=0, seed=0, ddp_find_unused_parameters=False,
+            dataloader_num_workers=0, seed=0, ddp_find_unused_parameters=tcfg.get("find_unused", False),
             bf16=cfg.get("dtype") == "bfloat16",
         )
         trainer = Trainer(model=model, args=args, train_dataset=data)
@@ -641,7 +641,7 @@ def markdown(res: dict) -> str:
     else:
         tc = cfg["trainer"]
         lines += [
-            f"Trainer (`Trainer.train()`, same model, seq {cfg['seq']}, `ddp_find_unused_parameters=False`, "
+            f"Trainer (`Trainer.train()`, same model, seq {cfg['seq']}, " + _find_unused_words(tc.get("find_unused", False)) + ", "
             f"default clipping at 1.0): `optim=\"zero_bucket\"` (defaults) vs Trainer's default "
             f"`optim=\"adamw_torch_fused\"` first and `optim=\"adamw_torch\"` second, "
             f"{tc['rounds']} rounds per batch size, each running the four (`zero_bucket` with `optim_args='stage=2'` too) in a shuffled order, each run {tc['warmup']} warm-up + "
@@ -668,6 +668,12 @@ def markdown(res: dict) -> str:
     for g in res["goals"]:
         lines.append(f"| {g['batch']} | {g['who']} | {g['goal']} | {g['median']:.3f} | {'yes' if g['met'] else 'no'} |")
     return "\n".join(lines) + "\n"
+
+
+def _find_unused_words(choice) -> str:
+    """How a run set DDP's ``find_unused_parameters`` (None: as Trainer chooses, True for this GPT-2)."""
+    return ("`ddp_find_unused_parameters` unset (Trainer's choice: True for a `PreTrainedModel` without "
+            "gradient checkpointing)") if choice is None else f"`ddp_find_unused_parameters={choice}`"
 
 
 def _ratio_cell(r: dict) -> str:
@@ -760,6 +766,9 @@ def main(argv=None) -> int:
                         help=f"time only these (with {BASELINE} and {SECOND}, which the ratios need)")
     parser.add_argument("--trainer-only", action="store_true",
                         help="run only the Trainer rows (no DDP rounds, no byte counts)")
+    parser.add_argument("--find-unused", choices=["false", "trainer"], default="false",
+                        help="the Trainer rows' ddp_find_unused_parameters: false (default: DDP tuned, as its warning "
+                             "advises) or trainer (unset: Trainer's own choice, True for this GPT-2)")
     parser.add_argument("--world-size", type=int, default=WORLD_SIZE, metavar="N",
                         help=f"gloo processes (default {WORLD_SIZE}); above 2 the model is smaller (width 256, 8.4M params)")
     parser.add_argument("--profile", action="store_true",
@@ -791,6 +800,7 @@ def main(argv=None) -> int:
         cfg["rounds"] = args.rounds
     if args.contenders:
         cfg["contenders"] = [n for n in CONTENDERS if n in {BASELINE, SECOND, *args.contenders}]
+    cfg["trainer"]["find_unused"] = None if args.find_unused == "trainer" else False
     if args.trainer_rounds is not None:
         if args.trainer_rounds < 1:
             parser.error(f"--trainer-rounds must be at least 1, got {args.trainer_rounds}")

@@ -191,8 +191,9 @@ class Reducer:
         self.touched: set[int] = set()  # params with a local grad reduced since the last step
         self._present: frozenset | None = None  # agreed over ranks at the first read
         self._unscaled = False  # a GradScaler unscaled the shards (unscale_): the next backward starts fresh
-        self.bucket_bytes = 0  # reduce buckets alive now
-        self.peak_bucket_bytes = 0  # their most since the last step
+        self.bucket_bytes = 0  # reduce buckets in use now
+        self._unpooled_bytes = 0  # those of them not from the pool
+        self.peak_bucket_bytes = 0  # the most held since the last step (held_bucket_bytes)
 
     # -- binding ------------------------------------------------------------------------
     @property
@@ -409,7 +410,7 @@ class Reducer:
             # The bucket is this one grad (a param above the cap, e.g. an embedding): reduce
             # it in its own storage, which nothing else holds once p.grad lets go, not a copy.
             self._filling[b] = (g.view(-1), None)
-            self._count_bucket(g.nbytes)
+            self._count_bucket(g.nbytes, pooled=False)
             self._placed.add(i)
             p.grad = None
             self.touched.add(i)
@@ -434,17 +435,20 @@ class Reducer:
             for a, z in self._plan.gaps[b]:
                 buf[a:z].zero_()
             held = self._filling[b] = (buf, base)
-            self._count_bucket(buf.nbytes if base is None else 0)
+            self._count_bucket(buf.nbytes, pooled=base is not None)
         return held[0]
 
-    def _count_bucket(self, nbytes: int) -> None:
+    def _count_bucket(self, nbytes: int, *, pooled: bool) -> None:
+        """A bucket taken into use (``nbytes < 0``: given back)."""
         self.bucket_bytes += nbytes
-        self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.bucket_bytes + self._pool.held_bytes)
+        if not pooled:
+            self._unpooled_bytes += nbytes
+        self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.held_bucket_bytes)
 
     @property
     def held_bucket_bytes(self) -> int:
-        """Reduce-bucket memory held now: the buckets of this backward and the pool's."""
-        return self.bucket_bytes + self._pool.held_bytes
+        """Reduce-bucket memory held now: the buckets in use that are not the pool's, and the pool's."""
+        return self._unpooled_bytes + self._pool.held_bytes
 
     def _launch_ready(self) -> None:
         while self._next < len(self._left) and self._left[self._next] == 0:
@@ -477,9 +481,8 @@ class Reducer:
             lo, hi = self._plan.owned[b]
             self._shards[b].add_(buf[lo:hi])
         self._written.add(b)
-        if base is None:
-            self.bucket_bytes -= buf.nbytes
-        else:
+        self._count_bucket(-buf.nbytes, pooled=base is not None)
+        if base is not None:
             self._pool.give(base)
         # gloo keeps a collective's work, and the bucket it sends, a while after it completes
         # ([Note: no Python on communication threads]): without this, every bucket of every
@@ -503,9 +506,8 @@ class Reducer:
         while self._in_flight:
             self._finish(*self._in_flight.popleft())
         for buf, base in self._filling.values():
-            if base is None:
-                self.bucket_bytes -= buf.nbytes
-            else:
+            self._count_bucket(-buf.nbytes, pooled=base is not None)
+            if base is not None:
                 self._pool.give(base)
         self._filling.clear()
         self._armed, self._present, self._pending, self._broken = False, None, set(), True
