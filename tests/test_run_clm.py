@@ -31,7 +31,8 @@ A tiny GPT-2 from ``--config_overrides`` (dropout 0, so the runs on 2 and 1 proc
 same numbers), a 22-word tokenizer and 400 random lines, all written here (no hub). The script
 itself is not in this repository (no PyPI artefact ships it, and hf_zero does not vendor other
 projects' code): point ``HF_ZERO_RUN_CLM`` at an unmodified copy, e.g. from a transformers
-checkout (``examples/pytorch/language-modeling/run_clm.py``); without it these tests skip,
+checkout (``examples/pytorch/language-modeling/run_clm.py``), with ``evaluate`` installed (the
+script imports it; not in the test extras, as nothing else needs it); without them these tests skip,
 saying so. docs/stage2.md ("Unmodified scripts") records the runs made with it.
 
 Exit: the script ends without destroying the process group, and a 2-process gloo run of torch
@@ -47,6 +48,7 @@ tests/test_autoload.py). A crash, hang or any other exit fails.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -66,9 +68,9 @@ STEPS, SAVE_AT = 6, 3
 ABORT = re.compile(r"terminate called without an active exception")
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-needs_script = pytest.mark.skipif(not SCRIPT.is_file(), reason=(
+needs_script = pytest.mark.skipif(not SCRIPT.is_file() or importlib.util.find_spec("evaluate") is None, reason=(
     "set HF_ZERO_RUN_CLM to transformers' examples/pytorch/language-modeling/run_clm.py, unmodified "
-    "(not shipped by any PyPI artefact, not vendored here)"))
+    "(not shipped by any PyPI artefact, not vendored here), and pip install evaluate (it imports it)"))
 
 
 # -- the runs --------------------------------------------------------------------------------
