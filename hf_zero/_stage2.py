@@ -109,6 +109,20 @@ def plan_buckets(specs, cap_bytes: int, order=None) -> tuple[tuple[int, ...], ..
     return tuple(tuple(b) for b in buckets)
 
 
+def _backward_order(table, module_ref) -> list[int]:
+    """The optimizer's params, last first, in the bound module's registration order, as DDP orders
+    its buckets: about the order a backward finishes them. Not the optimizer's order: Trainer's
+    param groups (decay, then no-decay) would put every layer's biases and norms, down to the first
+    layer's, in the first bucket, and every later bucket would wait for it until the end of the
+    backward (a whole gradient alive at once: 16 of GPT-2 124M's 17 buckets). Params the module
+    does not hold (or every param, before ``bind``) come last, last first."""
+    module = module_ref() if module_ref is not None else None
+    order = [] if module is None else list(dict.fromkeys(i for i in map(table.index, module.parameters()) if i is not None))
+    order.reverse()
+    placed = set(order)
+    return order + [i for i in reversed(range(len(table.params))) if i not in placed]
+
+
 @dataclass(frozen=True)
 class _Plan:
     """One layout as the reducer uses it; ``where[i]``: (buffer, offset, numel) of param i;
@@ -273,26 +287,12 @@ class Reducer:
         """The buckets of the current specs (what the optimizer plans its layout with)."""
         return self._current_plan().layout.buckets
 
-    def _backward_order(self) -> list[int]:
-        """The optimizer's params, last first, in the bound module's registration order, as DDP
-        orders its buckets: about the order a backward finishes them. Not the optimizer's order:
-        Trainer's param groups (decay, then no-decay) would put every layer's biases and norms,
-        down to the first layer's, in the first bucket, and every later bucket would wait for it
-        until the end of the backward (a whole gradient alive at once: 16 of GPT-2's 17 buckets).
-        Params the module does not hold come last."""
-        table, module = self._table(), self.module_ref() if self.module_ref is not None else None
-        order = list(dict.fromkeys(i for i in (table.index(p) for p in module.parameters()) if i is not None)) \
-            if module is not None else []
-        order.reverse()
-        placed = set(order)
-        return order + [i for i in reversed(range(len(table.params))) if i not in placed]
-
     def _current_plan(self) -> _Plan:
         specs = self._table().specs()
         key = (tuple(specs), self.cap_bytes)
         if key != self._plan_key:
             layout = plan_layout(specs, world_size=self.comm.world_size, shard=self._shard,
-                                 buckets=plan_buckets(specs, self.cap_bytes, self._backward_order()))
+                                 buckets=plan_buckets(specs, self.cap_bytes, _backward_order(self._table(), self.module_ref)))
             self._plan, self._plan_key = _plan_of(layout, self.comm.rank), key
             self._pool.plan(layout.buffers, self._plan.sizes, self.cap_bytes)
             params = self._table().params
