@@ -68,9 +68,17 @@ def _clean(results) -> bool:
     return all(code == 0 and f"rank {rank} done" in text for rank, (code, text) in enumerate(results))
 
 
+# How an exit abort ends: SIGABRT, or SIGSEGV when the abort's own crash report (faulthandler
+# dumping the other threads) faults too; seen once in plain DDP + AdamW, the control, on 2026-12-04:
+# "terminate called without an active exception / Fatal Python error: Aborted / ... Fatal Python
+# error: Segmentation fault", exit -11. Either way gloo's abort message comes first.
+_ABORT_SIGNALS = (-signal.SIGABRT, -signal.SIGSEGV)
+
+
 def _aborted(results) -> bool:
-    """Every rank did its work, and those that failed aborted at exit (SIGABRT)."""
-    return all(f"rank {rank} done" in text and (code == 0 or (code == -signal.SIGABRT and ABORT.search(text)))
+    """Every rank did its work, and those that failed aborted at exit (gloo's abort message, then
+    SIGABRT, or SIGSEGV in the abort's crash report)."""
+    return all(f"rank {rank} done" in text and (code == 0 or (code in _ABORT_SIGNALS and ABORT.search(text)))
                for rank, (code, text) in enumerate(results)) and not _clean(results)
 
 
