@@ -457,10 +457,10 @@ class Reducer:
     def _launch(self, b: int) -> None:
         buf = self._bucket(b)
         _, base = self._filling.pop(b)
-        if base is not None:  # a pooled bucket holds old values where no grad came this backward
-            for s in self._plan.layout.buffers[b].slots:
-                if s.index not in self._placed:
-                    buf[s.offset : s.offset + s.numel].zero_()
+        # a bucket, pooled or fresh ([Note: bucket pool]), holds old values where no grad came
+        for s in self._plan.layout.buffers[b].slots:
+            if s.index not in self._placed:
+                buf[s.offset : s.offset + s.numel].zero_()
         self._next = b + 1
         while len(self._in_flight) >= MAX_IN_FLIGHT:
             self._finish(*self._in_flight.popleft())
@@ -596,8 +596,9 @@ class _BucketPool:
     pooled bucket is dirty: only the slots a grad is copied into are written, so its gaps
     are zeroed when it is taken and the slots of grads that never came when it is launched.
     A bucket wider than the cap (one large param whose grad could not be reduced in its own
-    storage) is allocated for its backward only. The pool follows the plan: a new plan
-    (trainability change) drops it.
+    storage, or one whose grad never came on this rank) is allocated for its backward only,
+    as dirty (``torch.empty``): the slots of grads that never came are zeroed in it too. The
+    pool follows the plan: a new plan (trainability change) drops it.
     """
 
     def __init__(self, keep: int):

@@ -473,3 +473,42 @@ def test_buffers_are_broadcast_before_each_syncing_forward_as_ddp_does():
     (on0, off0), (on1, off1) = (r["buffers"] for r in _lot_results())
     assert (on0, on1) == (4.0, 1 + 3 * 2)  # rank 1: rank 0's 1 before its second forward, then +2 three times
     assert (off0, off1) == (4.0, 8.0)
+
+
+class _BigUnused(torch.nn.Module):
+    """A small layer and one param above the bucket cap (a bucket of its own, outside the pool)."""
+
+    def __init__(self):
+        super().__init__()
+        self.small = torch.nn.Linear(4, 4).double()
+        self.big = torch.nn.Parameter(torch.zeros(4096, dtype=torch.float64))
+
+    def forward(self, x, use_big: bool):
+        out = self.small(x).sum()
+        return out + self.big.sum() if use_big else out
+
+
+def _big_unused_on_rank_1(rank, world_size):
+    from hf_zero import ZeroBucketOptimizer
+
+    torch.manual_seed(0)
+    model = _BigUnused()
+    opt = ZeroBucketOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, stage=2)
+    opt.bind_module(model, bucket_cap_mb=0.001)
+    for _ in range(3):
+        # Freed memory of the big bucket's size, full of NaN: a bucket the reducer does not zero reads it.
+        torch.full((4096,), float("nan"), dtype=torch.float64).sum()
+        model(torch.ones(2, 4, dtype=torch.float64), use_big=rank == 0).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model.big.detach().clone()
+
+
+@pytest.mark.timeout(120)
+def test_a_param_above_the_cap_unused_on_one_rank_gets_zeros_from_it_not_stale_memory():
+    """Rank 0's loss adds big.sum() (grad 1), rank 1's leaves big out: the average is 1/2 on every
+    element, 3 SGD steps of lr 0.1 move big to -0.15. Its bucket is one param above the cap, taken
+    fresh, not from the pool: the slot of the grad that never came must be zeroed there too."""
+    for big in run_ranks(_big_unused_on_rank_1, 2, timeout=100):
+        expected = torch.full((4096,), -3 * 0.1 * 0.5, dtype=torch.float64)
+        assert torch.allclose(big, expected, rtol=0, atol=1e-15), (big - expected).abs().max()
