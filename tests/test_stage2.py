@@ -497,7 +497,7 @@ def _big_unused_on_rank_1(rank, world_size):
     opt.bind_module(model, bucket_cap_mb=0.001)
     for _ in range(3):
         # Freed memory of the big bucket's size, full of NaN: a bucket the reducer does not zero reads it.
-        torch.full((4096,), float("nan"), dtype=torch.float64).sum()
+        torch.full((4096,), float("nan"), dtype=torch.float64)
         model(torch.ones(2, 4, dtype=torch.float64), use_big=rank == 0).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
