@@ -50,9 +50,10 @@ def valid_grads(table: ParamTable, chosen: set[int], pieces: list[Piece], partia
     """The grads of these params where they hold the average: whole, or only this
     rank's ranges (``pieces``) for the ``partial`` ones, reduce-scattered (scaling the
     rest, which only holds this rank's own contribution, would be a wasted pass).
-    ``grad_of(piece)`` (stage 2: grads live in shards, not ``.grad``): only ``pieces``."""
+    ``grad_of`` (stage 2's ShardedGrads: grads live in shards, not ``.grad``): only ``pieces``, those of
+    params no rank had a grad for included (they hold zeros: [Note: agreeing on presence] in _stage2.py)."""
     if grad_of is not None:
-        return [g for g in (grad_of(pc) for pc in pieces if pc.index in chosen) if g is not None]
+        return [g for g in (grad_of.held(pc) for pc in pieces if pc.index in chosen) if g is not None]
     owned: dict[int, list[Piece]] = {}
     if partial & chosen:
         for pc in pieces:
@@ -72,8 +73,8 @@ def valid_grads(table: ParamTable, chosen: set[int], pieces: list[Piece], partia
 def clip_norm(comm: Comm, table: ParamTable, chosen: set[int], pieces: list[Piece], partial: set[int], *,
               max_norm: float, norm_type: float, error_if_nonfinite: bool, grad_of=None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the ``chosen`` params' grads, each rank
-    summing the elements of its ``pieces``. Collective (one scalar all-reduce).
-    ``grad_of``: as for :func:`valid_grads`."""
+    summing the elements of its ``pieces``. Collective (one small all-reduce: a scalar, and under
+    stage 2 the presence flags the step needs, when not agreed yet). ``grad_of``: as for :func:`valid_grads`."""
     params = table.params
     if grad_of is not None:
         grads = valid_grads(table, chosen, pieces, partial, grad_of)
@@ -90,12 +91,12 @@ def clip_norm(comm: Comm, table: ParamTable, chosen: set[int], pieces: list[Piec
     if norm_type == float("inf"):
         local = max((torch.linalg.vector_norm(g, norm_type).double().to(device) for g in grads if g.numel()), default=None)
         total = torch.zeros((), dtype=torch.float64, device=device) if local is None else local.clone()
-        total = comm.all_reduce_(total, op="max", what="the gradient norm")
+        total = _all_reduced(comm, total, "max", grad_of)
     else:
         total = torch.zeros((), dtype=torch.float64, device=device)
         for g in grads:
             total += _pow_sum(g, norm_type).to(device)
-        total = comm.all_reduce_(total, op="sum", what="the gradient norm").pow(1.0 / norm_type)
+        total = _all_reduced(comm, total, "sum", grad_of).pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped. "
@@ -108,3 +109,14 @@ def clip_norm(comm: Comm, table: ParamTable, chosen: set[int], pieces: list[Piec
         for g in valid_grads(table, chosen, pieces, partial, grad_of):
             g.mul_(coef.to(device=g.device, dtype=g.dtype))
     return total.to(first.device) if first is not None else total
+
+
+def _all_reduced(comm: Comm, total: torch.Tensor, op: str, grad_of) -> torch.Tensor:
+    """``total`` (a float64 scalar) all-reduced with ``op``; stage 2's presence flags ride along when
+    they are not agreed yet ([Note: agreeing on presence] in _stage2.py)."""
+    flags = None if grad_of is None else grad_of.unagreed_flags(torch.float64)
+    if flags is None:
+        return comm.all_reduce_(total, op=op, what="the gradient norm")
+    both = comm.all_reduce_(torch.cat([total.reshape(1), flags]), op=op, what="the gradient norm")
+    grad_of.settle(both[1:])
+    return both[0]

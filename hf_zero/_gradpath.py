@@ -118,8 +118,9 @@ class GradientPath:
             self.stage2.step_taken()
 
     def sharded_grads(self, *, stepping: bool = False) -> _stage2.ShardedGrads | None:
-        """Stage 2: this rank's averaged grads (collective after a backward); None under stage 1.
-        ``stepping``: the current layout must be the one they were reduced into."""
+        """Stage 2: this rank's averaged grads; None under stage 1. ``stepping``: for the step, which reads
+        them after the ranks agreed on which params have grads (collective, unless clipping or a GradScaler
+        agreed already), from the layout they were reduced into."""
         if self.stage2 is None:
             return None
         grads = self.stage2.sharded()
@@ -128,7 +129,7 @@ class GradientPath:
                 "hf_zero stage 2: the trainable params (or their shapes) changed between the backward and "
                 "optimizer.step(): change requires_grad only right after step() or zero_grad()"
             )
-        return grads
+        return grads.agree() if stepping else grads
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, allow_fp16: bool) -> None:
         """Stage 2: what ``torch.amp.GradScaler.unscale_`` does to an optimizer's grads, for this rank's shards:

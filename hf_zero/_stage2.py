@@ -63,7 +63,8 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
 - **Reading.** :meth:`Reducer.sharded` hands the step and clipping this rank's averaged
   grads (:class:`ShardedGrads`). A param no rank got a grad for since the last step has
   none (DDP's ``find_unused_parameters`` leaves it None too; the optimizer skips it):
-  the first read after a backward agrees on that with one small all-reduce. The step
+  one small all-reduce after a backward agrees on that, folded into clipping's norm or a
+  GradScaler's inf check where there is one ([Note: agreeing on presence]). The step
   consumes the shards (as ``zero_grad`` would).
 - **GradScaler.** :meth:`Reducer.unscale_` unscales the shards and agrees on inf/NaN over
   every rank's shard (one MAX all-reduce), for a GradScaler routed to it
@@ -152,21 +153,74 @@ def _plan_of(layout: Layout, rank: int) -> _Plan:
     return _Plan(layout, where, tuple(sizes), tuple(owned), tuple(gaps))
 
 
+class _Presence:
+    """Which params some rank had a grad for since the last step: this rank's (``touched``), and
+    the set agreed over ranks (``agreed``, None until agreed). [Note: agreeing on presence]"""
+
+    def __init__(self, agreed: frozenset | None = None):
+        self.touched: set[int] = set()
+        self.agreed = agreed
+
+    def flags(self, count: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """This rank's 0/1 flag per param (``count`` of them): an all-reduce's SUM or MAX of them is
+        positive exactly where some rank had a grad."""
+        mask = torch.zeros(count, dtype=dtype, device=device)
+        if self.touched:
+            mask[sorted(self.touched)] = 1
+        return mask
+
+    def settle(self, reduced: torch.Tensor) -> None:
+        self.agreed = frozenset((reduced > 0).nonzero().flatten().tolist())
+
+
 class ShardedGrads:
-    """This rank's averaged grads since the last step: for a piece of :attr:`layout`, the
-    1-D grad of its elements (a view of the shard), or None (no rank had a grad for it)."""
+    """This rank's averaged grads since the last step, per piece of :attr:`layout`: :meth:`held`,
+    the 1-D slice of the shard holding its elements (exact zeros where no rank had a grad), and,
+    once :meth:`agree` settled which params some rank had a grad for, ``self(piece)``: that
+    slice, or None where no rank had one (the step skips those, as torch's optimizers skip a
+    param whose grad DDP left None).
 
-    def __init__(self, plan: _Plan, shards: list, present: frozenset, rank: int):
+    [Note: agreeing on presence]
+    Which params had a grad on some rank is one small all-reduce of a flag per param. A step
+    that clips needs the norm's all-reduce anyway, and the norm reads :meth:`held` (the zeros
+    of params no rank had a grad for add nothing to it, nor does scaling them change them:
+    every rank's bucket slot of a grad that never came is zeroed before it is reduced): so
+    the flags ride in the norm's all-reduce (:meth:`unagreed_flags`, :meth:`settle`), as they
+    do in a GradScaler's inf check, and the step finds them agreed. Otherwise the step's
+    :meth:`agree` runs it alone."""
+
+    def __init__(self, plan: _Plan, shards: list, presence: _Presence, comm: Comm, count: int):
         self.layout = plan.layout
-        self.pieces: list[Piece] = plan.layout.pieces(rank)
-        self._plan, self._shards, self._present = plan, shards, present
+        self.pieces: list[Piece] = plan.layout.pieces(comm.rank)
+        self._plan, self._shards, self._presence, self._comm, self._count = plan, shards, presence, comm, count
 
-    def __call__(self, piece: Piece) -> torch.Tensor | None:
-        if piece.index not in self._present or self._shards[piece.buffer] is None:
+    def held(self, piece: Piece) -> torch.Tensor | None:
+        shard = self._shards[piece.buffer] if self._shards else None
+        if shard is None:
             return None
-        shard = self._shards[piece.buffer]
         start = piece.offset - self._plan.owned[piece.buffer][0]
         return shard[start : start + piece.numel]
+
+    def __call__(self, piece: Piece) -> torch.Tensor | None:
+        if self._presence.agreed is None:
+            raise RuntimeError("hf_zero: ShardedGrads read before the ranks agreed on which params have grads")
+        return self.held(piece) if piece.index in self._presence.agreed else None
+
+    def unagreed_flags(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """This rank's presence flags to all-reduce along with another small tensor (then :meth:`settle`),
+        or None when they are agreed already. The same answer on every rank."""
+        return None if self._presence.agreed is not None else self._presence.flags(self._count, dtype, self._comm.device)
+
+    def settle(self, reduced: torch.Tensor) -> None:
+        """The flags of :meth:`unagreed_flags`, all-reduced (SUM or MAX)."""
+        self._presence.settle(reduced)
+
+    def agree(self) -> "ShardedGrads":
+        """Agree on which params have grads, unless done already. Collective (one small all-reduce, or none)."""
+        flags = self.unagreed_flags(torch.float32)
+        if flags is not None:
+            self.settle(self._comm.all_reduce_(flags, op="max", what="agreeing on which params have gradients"))
+        return self
 
 
 class Reducer:
@@ -202,8 +256,7 @@ class Reducer:
         self._shards: list = []  # per buffer of the reduced plan: this rank's range, or None
         self._written: set[int] = set()  # buffers whose shard holds grads since the last step
         self._reduced: _Plan | None = None  # the plan the shards follow
-        self.touched: set[int] = set()  # params with a local grad reduced since the last step
-        self._present: frozenset | None = None  # agreed over ranks at the first read
+        self._presence = _Presence()  # params with a local grad reduced since the last step
         self._unscaled = False  # a GradScaler unscaled the shards (unscale_): the next backward starts fresh
         self.bucket_bytes = 0  # reduce buckets in use now
         self._unpooled_bytes = 0  # those of them not from the pool
@@ -413,7 +466,7 @@ class Reducer:
             self._count_bucket(g.nbytes, pooled=False)
             self._placed.add(i)
             p.grad = None
-            self.touched.add(i)
+            self._presence.touched.add(i)
             return
         slot = self._bucket(b)[offset : offset + numel]
         if i in self._placed:  # a second grad in one backward (nested backwards): summed as autograd would
@@ -422,7 +475,7 @@ class Reducer:
             slot.copy_(p.grad.reshape(-1))
             self._placed.add(i)
         p.grad = None
-        self.touched.add(i)
+        self._presence.touched.add(i)
 
     def _bucket(self, b: int) -> torch.Tensor:
         """Bucket ``b`` of this backward, taken from the pool at its first use: its slots are
@@ -498,7 +551,7 @@ class Reducer:
             self._launch(self._next)
         while self._in_flight:
             self._finish(*self._in_flight.popleft())
-        self._armed, self._present, self._pending = False, None, set()
+        self._armed, self._presence.agreed, self._pending = False, None, set()
 
     def _abandon(self) -> None:
         """The armed backward never ended (it raised): finish the reductions it started (every
@@ -510,11 +563,12 @@ class Reducer:
             if base is not None:
                 self._pool.give(base)
         self._filling.clear()
-        self._armed, self._present, self._pending, self._broken = False, None, set(), True
+        self._armed, self._presence.agreed, self._pending, self._broken = False, None, set(), True
 
     # -- reading ---------------------------------------------------------------------------
     def sharded(self) -> ShardedGrads:
-        """This rank's averaged grads. Collective after a backward (agreeing on which params have one)."""
+        """This rank's averaged grads, for all ranks to :meth:`ShardedGrads.agree` on before reading them
+        (or to settle along with another all-reduce: [Note: agreeing on presence])."""
         if not self.bound:
             raise RuntimeError(
                 "hf_zero: stage=2 reduces grads itself: call optimizer.bind_module(model) on every rank "
@@ -534,15 +588,9 @@ class Reducer:
                 f"hf_zero stage 2: {local[0]} has a gradient that was never reduced: the last backward before "
                 "the step (or clipping) ran under no_sync(), or the grad was set by hand"
             )
-        if self._reduced is None or not self._written:
-            return ShardedGrads(self._current_plan(), [], frozenset(), self.comm.rank)
-        if self._present is None:
-            mask = torch.zeros(len(table.params), dtype=torch.float32, device=self.comm.device)
-            if self.touched:
-                mask[sorted(self.touched)] = 1
-            self.comm.all_reduce_(mask, op="max", what="agreeing on which params have gradients")
-            self._present = frozenset(mask.nonzero().flatten().tolist())
-        return ShardedGrads(self._reduced, self._shards, self._present, self.comm.rank)
+        if self._reduced is None or not self._written:  # the same on every rank: nothing to agree on
+            return ShardedGrads(self._current_plan(), [], _Presence(frozenset()), self.comm, len(table.params))
+        return ShardedGrads(self._reduced, self._shards, self._presence, self.comm, len(table.params))
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, allow_fp16: bool) -> None:
         """A GradScaler's unscale of this rank's shards ([Note: GradScaler over sharded grads] in
@@ -550,13 +598,17 @@ class Reducer:
         ``found_inf`` (GradScaler's 0-dim float32 flag) to 1 if any rank's shard holds one: one MAX
         all-reduce, so every rank skips the same steps. The next backward starts fresh unless a
         step or ``zero_grad`` comes first (after an inf GradScaler skips the step). Collective."""
-        self.sharded()  # its checks, and the agreement on which params have grads (the step's, done here once)
+        grads = self.sharded()  # its checks
         written = sorted(self._written) if self._reduced is not None else []  # the same buffers on every rank
         if not allow_fp16 and any(self._reduced.layout.buffers[b].dtype == torch.float16 for b in written):
             raise ValueError("Attempting to unscale FP16 gradients.")  # torch's GradScaler.unscale_, word for word
         local = _unscaled_non_finite([self._shards[b] for b in written], inv_scale, self.comm.device)
-        self.comm.all_reduce_(local, op="max", what="agreeing on non-finite gradients (GradScaler)")
-        found_inf.copy_(torch.maximum(found_inf, local.to(found_inf.device)))
+        flags = grads.unagreed_flags(local.dtype)  # the step's agreement rides along: [Note: agreeing on presence]
+        both = local.reshape(1) if flags is None else torch.cat([local.reshape(1), flags])
+        self.comm.all_reduce_(both, op="max", what="agreeing on non-finite gradients (GradScaler)")
+        if flags is not None:
+            grads.settle(both[1:])
+        found_inf.copy_(torch.maximum(found_inf, both[0].to(found_inf.device)))
         self._unscaled = True
 
     def step_taken(self) -> None:
@@ -566,8 +618,7 @@ class Reducer:
         self._broken = False
         self._unscaled = False
         self._written.clear()
-        self.touched.clear()
-        self._present = None
+        self._presence = _Presence()
         self.peak_bucket_bytes = self.held_bucket_bytes
 
 

@@ -512,3 +512,38 @@ def test_a_param_above_the_cap_unused_on_one_rank_gets_zeros_from_it_not_stale_m
     for big in run_ranks(_big_unused_on_rank_1, 2, timeout=100):
         expected = torch.full((4096,), -3 * 0.1 * 0.5, dtype=torch.float64)
         assert torch.allclose(big, expected, rtol=0, atol=1e-15), (big - expected).abs().max()
+
+
+def _small_all_reduces_per_step(rank, world_size):
+    """The all-reduces of 3 steps after the backward (clipping, step), with clipping on, then off."""
+    from benchmarks._common import CollectiveCounter
+
+    counter = CollectiveCounter()
+    model = build_model("mlp")
+    opt = make_zero(Setup(), model, stage=2)
+    opt.bind_module(model, bucket_cap_mb=BUCKET_MB)
+    seen = {}
+    for clip in (True, False):
+        seen[clip] = []
+        for step in range(3):
+            model(*shard_of(model.batch(step, BATCH * world_size), rank)).backward()
+            with counter.recording():
+                if clip:
+                    opt.clip_grad_norm_(0.05)
+                opt.step()
+            seen[clip].append(sorted(payload for name, payload, _ in counter.calls if name == "all_reduce"))
+            opt.zero_grad()
+    counter.uninstall()
+    return seen, len(list(model.parameters()))
+
+
+@pytest.mark.timeout(120)
+def test_clipping_carries_the_presence_agreement_so_a_step_costs_stage_1s_small_all_reduces():
+    """[Note: agreeing on presence]: a stage-2 step runs the same small all-reduces as stage 1's:
+    the 24-byte trainability agreement, and the norm's (a float64 scalar, plus one float64
+    presence flag per param) when clipping, or the presence flags alone (float32) when not.
+    MLP.unused (never reached) is in the flags and keeps its value: test_stage2_matches_reference's
+    clipping cases compare it with the reference."""
+    for seen, count in run_ranks(_small_all_reduces_per_step, 2, timeout=100):
+        assert seen[True] == [[24, 8 * (1 + count)]] * 3, seen[True]
+        assert seen[False] == [sorted([24, 4 * count])] * 3, seen[False]
