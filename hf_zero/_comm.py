@@ -207,7 +207,8 @@ class Comm:
         return works
 
     # -- gradients: reduce-scatter ---------------------------------------------------
-    def reduce_scatter_(self, buffer: torch.Tensor, bounds: Sequence[int], *, out: torch.Tensor | None = None) -> Pending:
+    def reduce_scatter_(self, buffer: torch.Tensor, bounds: Sequence[int], *, out: torch.Tensor | None = None,
+                        divided: bool = False) -> Pending:
         """Average ``buffer`` over ranks into this rank's range only. Asynchronous: the
         :class:`Pending`'s ``wait()`` finishes the average and returns ``buffer``.
 
@@ -217,7 +218,9 @@ class Comm:
         narrower than 32 bits). Given ``out`` (1-D, as many elements as this rank's cut
         range, ``buffer``'s dtype), the mean goes there instead, the same bits, and this
         rank's range of ``buffer`` is left unspecified: the point-to-point sum writes it
-        straight into ``out`` (one pass over the range fewer than a copy after).
+        straight into ``out`` (one pass over the range fewer than a copy after). ``divided``: a
+        ``buffer`` narrower than 32 bits already holds this rank's values divided by the world
+        size (its writer divided as it copied them in: one pass over the bucket fewer).
 
         [Note: reduce-scatter collective]
         Measured on gloo (2 and 3 ranks, 4-120 MB fp32, docs/gradient_path.md), with the
@@ -257,7 +260,7 @@ class Comm:
         # Low-precision grads are divided before summing, as DDP does (keeps fp16 sums in
         # range); wider ones after, and only this rank's range (a pass over 1/N of the bucket).
         early = buffer.element_size() < 4
-        if early:
+        if early and not divided:
             buffer.div_(world)
         if (how == "reduce_scatter" and len({b - a for a, b in zip(bounds, bounds[1:])}) != 1) or (
             how == "send_recv" and buffer.device.type != "cpu"

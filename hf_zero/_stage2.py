@@ -60,6 +60,16 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
   forward) arms there. A backward that raised never ends: the next forward, ``zero_grad()``
   or step finishes the reductions it started, drops the rest, and the step refuses the
   partial shards until ``zero_grad()``.
+- **Unanswered forwards.** [Note: a forward without its backward] A rank whose loss does
+  not come from the bound module's outputs runs none of the reducer in its backward, while
+  the other ranks' backwards wait for its reduce-scatters (DDP hangs the same way). Each
+  rank records whether a syncing forward ran since the last step and whether a backward
+  armed: clipping, ``unscale_`` or the step raise on a rank where one ran and none armed,
+  naming the cause, so that rank fails at once (and a launcher stops the rest) instead of
+  every rank waiting for the collective timeout. It costs a flag per forward, no
+  collective; it also refuses, on every rank alike, a step whose only forwards were never
+  backpropagated (a loss dropped after a grad-enabled forward: run such forwards under
+  ``torch.no_grad()``).
 - **Reading.** :meth:`Reducer.sharded` hands the step and clipping this rank's averaged
   grads (:class:`ShardedGrads`). A param no rank got a grad for since the last step has
   none (DDP's ``find_unused_parameters`` leaves it None too; the optimizer skips it):
@@ -153,13 +163,26 @@ def _plan_of(layout: Layout, rank: int) -> _Plan:
     return _Plan(layout, where, tuple(sizes), tuple(owned), tuple(gaps))
 
 
-class _Presence:
-    """Which params some rank had a grad for since the last step: this rank's (``touched``), and
-    the set agreed over ranks (``agreed``, None until agreed). [Note: agreeing on presence]"""
+class _SinceStep:
+    """This rank's record since the last step: which params had a grad here (``touched``) and the set
+    agreed over ranks (``agreed``, None until agreed: [Note: agreeing on presence]); whether a forward
+    of the bound module whose backward should sync ran (``forwarded``), and whether a backward armed."""
 
     def __init__(self, agreed: frozenset | None = None):
         self.touched: set[int] = set()
         self.agreed = agreed
+        self.forwarded = self.armed = False
+
+    def check_answered(self) -> None:
+        """[Note: a forward without its backward] Raise if a forward ran but no backward went through
+        the bound module's outputs: the other ranks are then waiting for this rank's reduce-scatters."""
+        if self.forwarded and not self.armed:
+            raise RuntimeError(
+                "hf_zero stage 2: the bound model ran a forward on this rank since the last step, but no backward "
+                "went through its outputs: the loss here does not come from the model's outputs (or its backward "
+                "was skipped), while the other ranks' backwards wait for this rank's gradients. Compute every "
+                "rank's loss from the bound model's outputs and call backward on it, as DDP requires"
+            )
 
     def flags(self, count: int, dtype: torch.dtype, device) -> torch.Tensor:
         """This rank's 0/1 flag per param (``count`` of them): an all-reduce's SUM or MAX of them is
@@ -189,10 +212,10 @@ class ShardedGrads:
     do in a GradScaler's inf check, and the step finds them agreed. Otherwise the step's
     :meth:`agree` runs it alone."""
 
-    def __init__(self, plan: _Plan, shards: list, presence: _Presence, comm: Comm, count: int):
+    def __init__(self, plan: _Plan, shards: list, since: _SinceStep, comm: Comm, count: int):
         self.layout = plan.layout
         self.pieces: list[Piece] = plan.layout.pieces(comm.rank)
-        self._plan, self._shards, self._presence, self._comm, self._count = plan, shards, presence, comm, count
+        self._plan, self._shards, self._since, self._comm, self._count = plan, shards, since, comm, count
 
     def held(self, piece: Piece) -> torch.Tensor | None:
         shard = self._shards[piece.buffer] if self._shards else None
@@ -202,18 +225,18 @@ class ShardedGrads:
         return shard[start : start + piece.numel]
 
     def __call__(self, piece: Piece) -> torch.Tensor | None:
-        if self._presence.agreed is None:
+        if self._since.agreed is None:
             raise RuntimeError("hf_zero: ShardedGrads read before the ranks agreed on which params have grads")
-        return self.held(piece) if piece.index in self._presence.agreed else None
+        return self.held(piece) if piece.index in self._since.agreed else None
 
     def unagreed_flags(self, dtype: torch.dtype) -> torch.Tensor | None:
         """This rank's presence flags to all-reduce along with another small tensor (then :meth:`settle`),
         or None when they are agreed already. The same answer on every rank."""
-        return None if self._presence.agreed is not None else self._presence.flags(self._count, dtype, self._comm.device)
+        return None if self._since.agreed is not None else self._since.flags(self._count, dtype, self._comm.device)
 
     def settle(self, reduced: torch.Tensor) -> None:
         """The flags of :meth:`unagreed_flags`, all-reduced (SUM or MAX)."""
-        self._presence.settle(reduced)
+        self._since.settle(reduced)
 
     def agree(self) -> "ShardedGrads":
         """Agree on which params have grads, unless done already. Collective (one small all-reduce, or none)."""
@@ -249,14 +272,14 @@ class Reducer:
         self._regions_cache: tuple = (None, False)  # (unreached params, reentrant regions below)
         self._broken = False  # a backward raised midway since the last step / zero_grad
         self._next = 0  # the next buffer to reduce-scatter
-        self._filling: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # buffer -> (bucket, pooled base)
+        self._filling: dict[int, tuple] = {}  # buffer -> (bucket, pooled base or None, divided: see _divisor)
         self._in_flight: deque = deque()
         self._pool = _BucketPool(keep=MAX_IN_FLIGHT + 1)
         # Since the last step.
         self._shards: list = []  # per buffer of the reduced plan: this rank's range, or None
         self._written: set[int] = set()  # buffers whose shard holds grads since the last step
         self._reduced: _Plan | None = None  # the plan the shards follow
-        self._presence = _Presence()  # params with a local grad reduced since the last step
+        self._since = _SinceStep()
         self._unscaled = False  # a GradScaler unscaled the shards (unscale_): the next backward starts fresh
         self.bucket_bytes = 0  # reduce buckets in use now
         self._unpooled_bytes = 0  # those of them not from the pool
@@ -383,6 +406,7 @@ class Reducer:
             for k, t in zip(floats, _Anchored.apply(anchor, *(leaves[k] for k in floats))):
                 leaves[k] = t
             output, tensors = rebuild(leaves), [leaves[floats[0]]]
+        self._since.forwarded |= not self._suspended
         hook = _arm(weakref.ref(self))
         for node in {t.grad_fn for t in tensors}:
             node.register_prehook(hook)
@@ -424,7 +448,7 @@ class Reducer:
                 "of one gradient accumulation: change requires_grad only right after optimizer.step() "
                 "or zero_grad()"
             )
-        self._armed, self._next = True, 0
+        self._armed, self._next, self._since.armed = True, 0, True
         self._left, self._pending, self._placed = [0] * len(plan.sizes), set(), set()
         params, accumulators = self._table().params, self._accumulators
         unreached = []
@@ -462,20 +486,20 @@ class Reducer:
                 and g.dtype == spec.dtype and g.device == spec.device):
             # The bucket is this one grad (a param above the cap, e.g. an embedding): reduce
             # it in its own storage, which nothing else holds once p.grad lets go, not a copy.
-            self._filling[b] = (g.view(-1), None)
+            self._filling[b] = (g.view(-1), None, False)
             self._count_bucket(g.nbytes, pooled=False)
             self._placed.add(i)
             p.grad = None
-            self._presence.touched.add(i)
+            self._since.touched.add(i)
             return
-        slot = self._bucket(b)[offset : offset + numel]
+        slot, n = self._bucket(b)[offset : offset + numel], _divisor(spec.dtype, self.comm.world_size)
         if i in self._placed:  # a second grad in one backward (nested backwards): summed as autograd would
-            slot.add_(p.grad.reshape(-1))
+            slot.add_(g.reshape(-1) if n == 1 else g.reshape(-1) / n)
         else:
-            slot.copy_(p.grad.reshape(-1))
+            torch.div(g.reshape(-1), n, out=slot) if n > 1 else slot.copy_(g.reshape(-1))
             self._placed.add(i)
         p.grad = None
-        self._presence.touched.add(i)
+        self._since.touched.add(i)
 
     def _bucket(self, b: int) -> torch.Tensor:
         """Bucket ``b`` of this backward, taken from the pool at its first use: its slots are
@@ -487,7 +511,7 @@ class Reducer:
             buf, base = self._pool.take(self._plan.sizes[b], plan.dtype, torch.device(plan.device))
             for a, z in self._plan.gaps[b]:
                 buf[a:z].zero_()
-            held = self._filling[b] = (buf, base)
+            held = self._filling[b] = (buf, base, _divisor(plan.dtype, self.comm.world_size) > 1)
             self._count_bucket(buf.nbytes, pooled=base is not None)
         return held[0]
 
@@ -509,7 +533,7 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         buf = self._bucket(b)
-        _, base = self._filling.pop(b)
+        _, base, divided = self._filling.pop(b)
         # a bucket, pooled or fresh ([Note: bucket pool]), holds old values where no grad came
         for s in self._plan.layout.buffers[b].slots:
             if s.index not in self._placed:
@@ -525,7 +549,7 @@ class Reducer:
             into = self._shards[b]
             if into is None:
                 into = self._shards[b] = torch.empty(hi - lo, dtype=buf.dtype, device=buf.device)
-        pending = self.comm.reduce_scatter_(buf, self._plan.layout.buffers[b].bounds, out=into)
+        pending = self.comm.reduce_scatter_(buf, self._plan.layout.buffers[b].bounds, out=into, divided=divided)
         self._in_flight.append((b, buf, base, into is not None, pending))
 
     def _finish(self, b: int, buf: torch.Tensor, base: torch.Tensor | None, direct: bool, pending) -> None:
@@ -551,19 +575,19 @@ class Reducer:
             self._launch(self._next)
         while self._in_flight:
             self._finish(*self._in_flight.popleft())
-        self._armed, self._presence.agreed, self._pending = False, None, set()
+        self._armed, self._since.agreed, self._pending = False, None, set()
 
     def _abandon(self) -> None:
         """The armed backward never ended (it raised): finish the reductions it started (every
         rank started the same ones), drop the buckets being filled, and mark the shards partial."""
         while self._in_flight:
             self._finish(*self._in_flight.popleft())
-        for buf, base in self._filling.values():
+        for buf, base, _ in self._filling.values():
             self._count_bucket(-buf.nbytes, pooled=base is not None)
             if base is not None:
                 self._pool.give(base)
         self._filling.clear()
-        self._armed, self._presence.agreed, self._pending, self._broken = False, None, set(), True
+        self._armed, self._since.agreed, self._pending, self._broken = False, None, set(), True
 
     # -- reading ---------------------------------------------------------------------------
     def sharded(self) -> ShardedGrads:
@@ -574,6 +598,7 @@ class Reducer:
                 "hf_zero: stage=2 reduces grads itself: call optimizer.bind_module(model) on every rank "
                 "before the first backward (and do not wrap the model in DistributedDataParallel)"
             )
+        self._since.check_answered()
         if self._armed and graph_task_id() == -1:
             self._abandon()
         if self._broken:
@@ -589,8 +614,8 @@ class Reducer:
                 "the step (or clipping) ran under no_sync(), or the grad was set by hand"
             )
         if self._reduced is None or not self._written:  # the same on every rank: nothing to agree on
-            return ShardedGrads(self._current_plan(), [], _Presence(frozenset()), self.comm, len(table.params))
-        return ShardedGrads(self._reduced, self._shards, self._presence, self.comm, len(table.params))
+            return ShardedGrads(self._current_plan(), [], _SinceStep(frozenset()), self.comm, len(table.params))
+        return ShardedGrads(self._reduced, self._shards, self._since, self.comm, len(table.params))
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, allow_fp16: bool) -> None:
         """A GradScaler's unscale of this rank's shards ([Note: GradScaler over sharded grads] in
@@ -618,8 +643,20 @@ class Reducer:
         self._broken = False
         self._unscaled = False
         self._written.clear()
-        self._presence = _Presence()
+        self._since = _SinceStep()
         self.peak_bucket_bytes = self.held_bucket_bytes
+
+
+def _divisor(dtype: torch.dtype, world_size: int) -> int:
+    """What the hook divides a grad by as it copies it into its bucket. [Note: dividing as the grads
+    come] A grad narrower than 32 bits is divided by the world size before it is summed (as DDP and
+    ``Comm.reduce_scatter_`` do, to keep fp16 sums in range); doing it in the copy saves the pass over
+    the whole bucket that dividing it in place would take, with the same bits (one rounding of
+    each grad divided by N either way). A param whose grad reaches its bucket twice in one backward
+    (two reentrant regions) adds its second grad divided too: at N = 2 the same bits as dividing
+    the sum (halving is exact), otherwise within an ulp of it. Wider grads are divided after the
+    sum, over this rank's range only: 1."""
+    return world_size if world_size > 1 and dtype.itemsize < 4 else 1
 
 
 def _unscaled_non_finite(shards: list, inv_scale: torch.Tensor, device) -> torch.Tensor:

@@ -10,6 +10,7 @@ One spawn per world size runs the table.
 """
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -547,3 +548,48 @@ def test_clipping_carries_the_presence_agreement_so_a_step_costs_stage_1s_small_
     for seen, count in run_ranks(_small_all_reduces_per_step, 2, timeout=100):
         assert seen[True] == [[24, 8 * (1 + count)]] * 3, seen[True]
         assert seen[False] == [sorted([24, 4 * count])] * 3, seen[False]
+
+
+def _loss_not_from_the_outputs_on_rank_1(rank, world_size):
+    model = build_model("mlp")
+    opt = make_zero(Setup(), model, stage=2)
+    opt.bind_module(model, bucket_cap_mb=BUCKET_MB)
+    loss = model(*shard_of(model.batch(0, BATCH * world_size), rank))
+    if rank == 1:  # a loss that does not come from the model's outputs: nothing of the model's backward runs here
+        loss = torch.zeros((), dtype=torch.float64, requires_grad=True) * 2
+    loss.backward()  # rank 0 waits here for rank 1's reduce-scatters
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+
+
+@pytest.mark.timeout(120)
+def test_a_loss_not_from_the_models_outputs_on_one_rank_is_a_clear_error_not_a_hang():
+    """[Note: a forward without its backward]: rank 1 ran the model's forward but its backward did
+    not go through the outputs. Rank 1 raises at clipping, naming the cause, at once, where rank 0
+    would otherwise wait in its backward for the 90 s collective timeout (a launcher then stops
+    rank 0, as torchrun does when a rank fails)."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as failed:
+        run_ranks(_loss_not_from_the_outputs_on_rank_1, 2, timeout=90)
+    assert time.monotonic() - start < 45
+    report = str(failed.value)
+    assert "rank 1 failed" in report and "no backward went through its outputs" in report, report
+
+
+def _bf16_both_stages(rank, world_size):
+    setup = BITWISE["mixed-bf16-masters"][0]
+    return _stage1_run(rank, world_size, setup, 1), _stage2_run(rank, world_size, setup, 1)
+
+
+@pytest.mark.timeout(150)
+def test_bf16_grads_divided_as_they_are_copied_in_are_stage_1s_bits_at_three_ranks():
+    """[Note: dividing as the grads come] in _stage2.py: stage 2 divides each bf16 grad by N as it
+    copies it into its bucket, stage 1's comm hook divides the whole bucket in place: at 3 ranks
+    (1/3 inexact) both give the same bits, so the bf16 params stepped through fp32 masters do too.
+    (The model's fp32 params, divided after the sum, are not compared: at 3 ranks the two stages'
+    buckets cut the sums differently.)"""
+    for stage1, stage2 in run_ranks(_bf16_both_stages, 3, timeout=130):
+        bf16 = [(a, b) for a, b in zip(stage2, stage1) if a.dtype == torch.bfloat16]
+        assert len(bf16) >= 2
+        for i, (a, b) in enumerate(bf16):
+            assert torch.equal(a, b), f"bf16 param {i}: max diff {(a.float() - b.float()).abs().max().item():.3g}"
