@@ -238,9 +238,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any):
         """Update the params this rank owns, then sync every buffer. Collective.
 
-        A callable ``closure`` runs once, before the update, on every rank, and its loss is
-        returned; any other non-None ``closure`` goes with ``kwargs`` to the local
-        optimizer's ``step`` (as torch's ZeroRedundancyOptimizer forwards them)."""
+        A callable ``closure`` runs once, before the update, on every rank, and its loss is returned; any
+        other non-None ``closure`` goes with ``kwargs`` to the local optimizer's ``step`` (as torch's ZeRO does)."""
         Join.notify_join_context(self)
         loss = None
         if callable(closure):
@@ -248,6 +247,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                 loss = closure()
         elif closure is not None:
             kwargs = {"closure": closure, **kwargs}
+        self._grad.sharded_grads()  # stage 2's checks, before any collective: [Note: a forward without its backward]
         self.wait_param_sync()
         self.ensure_partition()
         if not self._iteration.grads_averaged:

@@ -62,14 +62,14 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
   partial shards until ``zero_grad()``.
 - **Unanswered forwards.** [Note: a forward without its backward] A rank whose loss does
   not come from the bound module's outputs runs none of the reducer in its backward, while
-  the other ranks' backwards wait for its reduce-scatters (DDP hangs the same way). Each
-  rank records whether a syncing forward ran since the last step and whether a backward
-  armed: clipping, ``unscale_`` or the step raise on a rank where one ran and none armed,
-  naming the cause, so that rank fails at once (and a launcher stops the rest) instead of
-  every rank waiting for the collective timeout. It costs a flag per forward, no
-  collective; it also refuses, on every rank alike, a step whose only forwards were never
-  backpropagated (a loss dropped after a grad-enabled forward: run such forwards under
-  ``torch.no_grad()``).
+  the other ranks' backwards wait for its reduce-scatters (DDP hangs the same way), and so
+  does a rank that skips the model altogether before stepping. Each rank records whether a
+  backward armed since the last step (and whether a forward ran, for the message):
+  clipping, ``unscale_`` or the step raise on a rank where none armed, naming the cause, so
+  that rank fails at once (and a launcher stops the rest) instead of every rank waiting for
+  the collective timeout. It costs a flag per forward and backward, no collective; it also
+  refuses, on every rank alike, a step with no backward since the last one, which DDP
+  allows as a no-op.
 - **Reading.** :meth:`Reducer.sharded` hands the step and clipping this rank's averaged
   grads (:class:`ShardedGrads`). A param no rank got a grad for since the last step has
   none (DDP's ``find_unused_parameters`` leaves it None too; the optimizer skips it):
@@ -174,14 +174,17 @@ class _SinceStep:
         self.forwarded = self.armed = False
 
     def check_answered(self) -> None:
-        """[Note: a forward without its backward] Raise if a forward ran but no backward went through
-        the bound module's outputs: the other ranks are then waiting for this rank's reduce-scatters."""
-        if self.forwarded and not self.armed:
+        """[Note: a forward without its backward] Raise if no backward went through the bound module's
+        outputs since the last step: other ranks' backwards may be waiting for this rank's reduce-scatters."""
+        if not self.armed:
             raise RuntimeError(
-                "hf_zero stage 2: the bound model ran a forward on this rank since the last step, but no backward "
-                "went through its outputs: the loss here does not come from the model's outputs (or its backward "
-                "was skipped), while the other ranks' backwards wait for this rank's gradients. Compute every "
-                "rank's loss from the bound model's outputs and call backward on it, as DDP requires"
+                ("hf_zero stage 2: the bound model ran a forward on this rank since the last step, but no backward "
+                 "went through its outputs: the loss here does not come from the model's outputs (or its backward "
+                 "was skipped)" if self.forwarded else
+                 "hf_zero stage 2: no backward through the bound model's outputs on this rank since the last step "
+                 "(or zero_grad())") +
+                ", while other ranks' backwards may wait for this rank's gradients. Compute every rank's loss "
+                "from the bound model's outputs and call backward on it before clipping or the step"
             )
 
     def flags(self, count: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -598,7 +601,6 @@ class Reducer:
                 "hf_zero: stage=2 reduces grads itself: call optimizer.bind_module(model) on every rank "
                 "before the first backward (and do not wrap the model in DistributedDataParallel)"
             )
-        self._since.check_answered()
         if self._armed and graph_task_id() == -1:
             self._abandon()
         if self._broken:
@@ -613,6 +615,7 @@ class Reducer:
                 f"hf_zero stage 2: {local[0]} has a gradient that was never reduced: the last backward before "
                 "the step (or clipping) ran under no_sync(), or the grad was set by hand"
             )
+        self._since.check_answered()
         if self._reduced is None or not self._written:  # the same on every rank: nothing to agree on
             return ShardedGrads(self._current_plan(), [], _SinceStep(frozenset()), self.comm, len(table.params))
         return ShardedGrads(self._reduced, self._shards, self._since, self.comm, len(table.params))

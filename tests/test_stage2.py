@@ -550,11 +550,14 @@ def test_clipping_carries_the_presence_agreement_so_a_step_costs_stage_1s_small_
         assert seen[False] == [sorted([24, 4 * count])] * 3, seen[False]
 
 
-def _loss_not_from_the_outputs_on_rank_1(rank, world_size):
+def _rank_1_answers_no_backward(rank, world_size, skip_model):
     model = build_model("mlp")
     opt = make_zero(Setup(), model, stage=2)
     opt.bind_module(model, bucket_cap_mb=BUCKET_MB)
-    loss = model(*shard_of(model.batch(0, BATCH * world_size), rank))
+    batch = shard_of(model.batch(0, BATCH * world_size), rank)
+    if rank == 1 and skip_model:  # this rank skips the batch and goes straight to the step
+        opt.step()
+    loss = model(*batch)
     if rank == 1:  # a loss that does not come from the model's outputs: nothing of the model's backward runs here
         loss = torch.zeros((), dtype=torch.float64, requires_grad=True) * 2
     loss.backward()  # rank 0 waits here for rank 1's reduce-scatters
@@ -563,17 +566,20 @@ def _loss_not_from_the_outputs_on_rank_1(rank, world_size):
 
 
 @pytest.mark.timeout(120)
-def test_a_loss_not_from_the_models_outputs_on_one_rank_is_a_clear_error_not_a_hang():
-    """[Note: a forward without its backward]: rank 1 ran the model's forward but its backward did
-    not go through the outputs. Rank 1 raises at clipping, naming the cause, at once, where rank 0
-    would otherwise wait in its backward for the 90 s collective timeout (a launcher then stops
-    rank 0, as torchrun does when a rank fails)."""
+@pytest.mark.parametrize("skip_model", [False, True], ids=["loss-not-from-the-outputs", "model-skipped"])
+def test_a_rank_whose_backward_misses_the_model_is_a_clear_error_not_a_hang(skip_model):
+    """[Note: a forward without its backward]: rank 1's backward does not go through the model's
+    outputs (its loss comes from elsewhere), or rank 1 skips the model and steps. Rank 1 raises at
+    clipping or the step, naming the cause, at once, where rank 0 would otherwise wait in its
+    backward for the 90 s collective timeout (a launcher then stops rank 0, as torchrun does when a
+    rank fails)."""
     start = time.monotonic()
     with pytest.raises(RuntimeError) as failed:
-        run_ranks(_loss_not_from_the_outputs_on_rank_1, 2, timeout=90)
+        run_ranks(_rank_1_answers_no_backward, 2, skip_model, timeout=90)
     assert time.monotonic() - start < 45
     report = str(failed.value)
-    assert "rank 1 failed" in report and "no backward went through its outputs" in report, report
+    cause = "no backward through the bound model's outputs" if skip_model else "no backward went through its outputs"
+    assert "rank 1 failed" in report and cause in report, report
 
 
 def _bf16_both_stages(rank, world_size):
