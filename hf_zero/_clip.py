@@ -112,11 +112,8 @@ def clip_norm(comm: Comm, table: ParamTable, chosen: set[int], pieces: list[Piec
 
 
 def _all_reduced(comm: Comm, total: torch.Tensor, op: str, grad_of) -> torch.Tensor:
-    """``total`` (a float64 scalar) all-reduced with ``op``; stage 2's presence flags ride along when
-    they are not agreed yet ([Note: agreeing on presence] in _stage2.py)."""
-    flags = None if grad_of is None else grad_of.unagreed_flags(torch.float64)
-    if flags is None:
+    """``total`` (a float64 scalar) all-reduced with ``op``; under stage 2 the presence flags ride along
+    ([Note: agreeing on presence] in _stage2.py)."""
+    if grad_of is None:
         return comm.all_reduce_(total, op=op, what="the gradient norm")
-    both = comm.all_reduce_(torch.cat([total.reshape(1), flags]), op=op, what="the gradient norm")
-    grad_of.settle(both[1:])
-    return both[0]
+    return grad_of.all_reduce_along(total, op=op, what="the gradient norm")

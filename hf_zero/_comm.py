@@ -257,9 +257,7 @@ class Comm:
             raise ValueError(f"out must be 1-D with {hi - lo} elements of {buffer.dtype}, got {tuple(out.shape)} {out.dtype}")
         if world == 1:
             return self._pending([], "", finish=lambda: buffer if out is None else _copied(out, mine, buffer))
-        # Low-precision grads are divided before summing, as DDP does (keeps fp16 sums in
-        # range); wider ones after, and only this rank's range (a pass over 1/N of the bucket).
-        early = buffer.element_size() < 4
+        early = early_divisor(buffer.dtype, world) > 1
         if early and not divided:
             buffer.div_(world)
         if (how == "reduce_scatter" and len({b - a for a, b in zip(bounds, bounds[1:])}) != 1) or (
@@ -485,6 +483,13 @@ class _Scratch:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() for t in self._store.values())
+
+
+def early_divisor(dtype: torch.dtype, world_size: int) -> int:
+    """What a reduce-scatter divides each rank's values of ``dtype`` by before summing them: the world
+    size for dtypes narrower than 32 bits (as DDP does: keeps fp16 sums in range), else 1 (wider ones are
+    divided after the sum, over this rank's range only)."""
+    return world_size if world_size > 1 and dtype.itemsize < 4 else 1
 
 
 def _copied(out: torch.Tensor, mine: torch.Tensor, result):

@@ -117,19 +117,22 @@ class GradientPath:
         if self.stage2 is not None:
             self.stage2.step_taken()
 
-    def sharded_grads(self, *, stepping: bool = False) -> _stage2.ShardedGrads | None:
-        """Stage 2: this rank's averaged grads; None under stage 1. ``stepping``: for the step, which reads
-        them after the ranks agreed on which params have grads (collective, unless clipping or a GradScaler
-        agreed already), from the layout they were reduced into."""
-        if self.stage2 is None:
+    def sharded_grads(self) -> _stage2.ShardedGrads | None:
+        """Stage 2: this rank's averaged grads, after its checks (no collective); None under stage 1."""
+        return None if self.stage2 is None else self.stage2.sharded()
+
+    def for_step(self, grads: _stage2.ShardedGrads | None) -> _stage2.ShardedGrads | None:
+        """``grads`` (from :meth:`sharded_grads`) for the step, which reads them from the layout they were
+        reduced into, after the ranks agreed on which params have grads (collective, unless clipping or a
+        GradScaler agreed already)."""
+        if grads is None:
             return None
-        grads = self.stage2.sharded()
-        if stepping and grads.pieces and grads.layout != self.layout:
+        if grads.pieces and grads.layout != self.layout:
             raise RuntimeError(
                 "hf_zero stage 2: the trainable params (or their shapes) changed between the backward and "
                 "optimizer.step(): change requires_grad only right after step() or zero_grad()"
             )
-        return grads.agree() if stepping else grads
+        return grads.agree()
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, allow_fp16: bool) -> None:
         """Stage 2: what ``torch.amp.GradScaler.unscale_`` does to an optimizer's grads, for this rank's shards:

@@ -247,13 +247,13 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                 loss = closure()
         elif closure is not None:
             kwargs = {"closure": closure, **kwargs}
-        self._grad.sharded_grads()  # stage 2's checks, before any collective: [Note: a forward without its backward]
+        grads = self._grad.sharded_grads()  # checked before any collective: [Note: a forward without its backward]
         self.wait_param_sync()
         self.ensure_partition()
         if not self._iteration.grads_averaged:
             self.average_unreduced_grads()
         local_loss = self._partition.step_and_sync(self.param_groups, kwargs, self._comm, self._table.params,
-                                                   self._grad.overlap, self._grad.sharded_grads(stepping=True))
+                                                   self._grad.overlap, self._grad.for_step(grads))
         self._iteration = _Iteration()
         self._grad.step_taken()
         self._lifecycle.stepped()

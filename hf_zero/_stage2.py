@@ -15,6 +15,13 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
   identically on every rank.
 - **Hook.** Once autograd has finished a param's grad (a post-accumulate-grad hook), it
   is copied into its bucket (allocated at its first copy) and ``p.grad`` is set to None.
+  [Note: dividing as the grads come] A grad the reduce-scatter divides before summing
+  (narrower than 32 bits: ``early_divisor`` in _comm.py) is divided in that copy, which
+  saves the pass over the whole bucket that dividing it in place would take, with the same
+  bits (one rounding of each grad divided by N either way); the bucket goes to
+  ``Comm.reduce_scatter_`` as ``divided``. A param whose grad reaches its bucket twice in
+  one backward (two reentrant regions) adds its second grad divided too: at N = 2 the same
+  bits as dividing the sum (halving is exact), otherwise within an ulp of it.
   Params get their hook at bind, or before the first forward after they need a grad
   (unfrozen, or added with ``add_param_group``): torch refuses a hook on a frozen param.
 - **Order.** When a backward arms (see [Note: arming a backward]) each bucket counts the
@@ -91,7 +98,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._comm import Comm
+from ._comm import Comm, early_divisor
 from ._engine import (
     grad_accumulator, graph_task_id, queue_end_of_backward, reentrant_region_below, running_node, tree_tensors, will_run,
 )
@@ -211,8 +218,8 @@ class ShardedGrads:
     that clips needs the norm's all-reduce anyway, and the norm reads :meth:`held` (the zeros
     of params no rank had a grad for add nothing to it, nor does scaling them change them:
     every rank's bucket slot of a grad that never came is zeroed before it is reduced): so
-    the flags ride in the norm's all-reduce (:meth:`unagreed_flags`, :meth:`settle`), as they
-    do in a GradScaler's inf check, and the step finds them agreed. Otherwise the step's
+    the flags ride in the norm's all-reduce (:meth:`all_reduce_along`), as they do in a
+    GradScaler's inf check, and the step finds them agreed. Otherwise the step's
     :meth:`agree` runs it alone."""
 
     def __init__(self, plan: _Plan, shards: list, since: _SinceStep, comm: Comm, count: int):
@@ -232,20 +239,21 @@ class ShardedGrads:
             raise RuntimeError("hf_zero: ShardedGrads read before the ranks agreed on which params have grads")
         return self.held(piece) if piece.index in self._since.agreed else None
 
-    def unagreed_flags(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """This rank's presence flags to all-reduce along with another small tensor (then :meth:`settle`),
-        or None when they are agreed already. The same answer on every rank."""
-        return None if self._since.agreed is not None else self._since.flags(self._count, dtype, self._comm.device)
-
-    def settle(self, reduced: torch.Tensor) -> None:
-        """The flags of :meth:`unagreed_flags`, all-reduced (SUM or MAX)."""
-        self._since.settle(reduced)
+    def all_reduce_along(self, scalar: torch.Tensor, *, op: str, what: str) -> torch.Tensor:
+        """``scalar`` (0-dim) all-reduced with ``op`` ("sum" or "max"), with the presence flags riding
+        along until they are agreed (either op marks presence). Collective (one small all-reduce)."""
+        if self._since.agreed is not None:
+            return self._comm.all_reduce_(scalar, op=op, what=what)
+        flags = self._since.flags(self._count, scalar.dtype, self._comm.device)
+        both = self._comm.all_reduce_(torch.cat([scalar.reshape(1), flags]), op=op, what=what)
+        self._since.settle(both[1:])
+        return both[0]
 
     def agree(self) -> "ShardedGrads":
         """Agree on which params have grads, unless done already. Collective (one small all-reduce, or none)."""
-        flags = self.unagreed_flags(torch.float32)
-        if flags is not None:
-            self.settle(self._comm.all_reduce_(flags, op="max", what="agreeing on which params have gradients"))
+        if self._since.agreed is None:
+            flags = self._since.flags(self._count, torch.float32, self._comm.device)
+            self._since.settle(self._comm.all_reduce_(flags, op="max", what="agreeing on which params have gradients"))
         return self
 
 
@@ -275,7 +283,7 @@ class Reducer:
         self._regions_cache: tuple = (None, False)  # (unreached params, reentrant regions below)
         self._broken = False  # a backward raised midway since the last step / zero_grad
         self._next = 0  # the next buffer to reduce-scatter
-        self._filling: dict[int, tuple] = {}  # buffer -> (bucket, pooled base or None, divided: see _divisor)
+        self._filling: dict[int, tuple] = {}  # buffer -> (bucket, pooled base or None, divided by N already)
         self._in_flight: deque = deque()
         self._pool = _BucketPool(keep=MAX_IN_FLIGHT + 1)
         # Since the last step.
@@ -495,12 +503,15 @@ class Reducer:
             p.grad = None
             self._since.touched.add(i)
             return
-        slot, n = self._bucket(b)[offset : offset + numel], _divisor(spec.dtype, self.comm.world_size)
+        slot, g = self._bucket(b)[offset : offset + numel], g.reshape(-1)
+        n = early_divisor(spec.dtype, self.comm.world_size)
         if i in self._placed:  # a second grad in one backward (nested backwards): summed as autograd would
-            slot.add_(g.reshape(-1) if n == 1 else g.reshape(-1) / n)
+            slot.add_(g if n == 1 else g / n)
+        elif n == 1:
+            slot.copy_(g)
         else:
-            torch.div(g.reshape(-1), n, out=slot) if n > 1 else slot.copy_(g.reshape(-1))
-            self._placed.add(i)
+            torch.div(g, n, out=slot)  # [Note: dividing as the grads come]
+        self._placed.add(i)
         p.grad = None
         self._since.touched.add(i)
 
@@ -514,7 +525,7 @@ class Reducer:
             buf, base = self._pool.take(self._plan.sizes[b], plan.dtype, torch.device(plan.device))
             for a, z in self._plan.gaps[b]:
                 buf[a:z].zero_()
-            held = self._filling[b] = (buf, base, _divisor(plan.dtype, self.comm.world_size) > 1)
+            held = self._filling[b] = (buf, base, early_divisor(plan.dtype, self.comm.world_size) > 1)
             self._count_bucket(buf.nbytes, pooled=base is not None)
         return held[0]
 
@@ -631,12 +642,9 @@ class Reducer:
         if not allow_fp16 and any(self._reduced.layout.buffers[b].dtype == torch.float16 for b in written):
             raise ValueError("Attempting to unscale FP16 gradients.")  # torch's GradScaler.unscale_, word for word
         local = _unscaled_non_finite([self._shards[b] for b in written], inv_scale, self.comm.device)
-        flags = grads.unagreed_flags(local.dtype)  # the step's agreement rides along: [Note: agreeing on presence]
-        both = local.reshape(1) if flags is None else torch.cat([local.reshape(1), flags])
-        self.comm.all_reduce_(both, op="max", what="agreeing on non-finite gradients (GradScaler)")
-        if flags is not None:
-            grads.settle(both[1:])
-        found_inf.copy_(torch.maximum(found_inf, both[0].to(found_inf.device)))
+        # the step's agreement rides along: [Note: agreeing on presence]
+        local = grads.all_reduce_along(local, op="max", what="agreeing on non-finite gradients (GradScaler)")
+        found_inf.copy_(torch.maximum(found_inf, local.to(found_inf.device)))
         self._unscaled = True
 
     def step_taken(self) -> None:
@@ -648,18 +656,6 @@ class Reducer:
         self._written.clear()
         self._since = _SinceStep()
         self.peak_bucket_bytes = self.held_bucket_bytes
-
-
-def _divisor(dtype: torch.dtype, world_size: int) -> int:
-    """What the hook divides a grad by as it copies it into its bucket. [Note: dividing as the grads
-    come] A grad narrower than 32 bits is divided by the world size before it is summed (as DDP and
-    ``Comm.reduce_scatter_`` do, to keep fp16 sums in range); doing it in the copy saves the pass over
-    the whole bucket that dividing it in place would take, with the same bits (one rounding of
-    each grad divided by N either way). A param whose grad reaches its bucket twice in one backward
-    (two reentrant regions) adds its second grad divided too: at N = 2 the same bits as dividing
-    the sum (halving is exact), otherwise within an ulp of it. Wider grads are divided after the
-    sum, over this rank's range only: 1."""
-    return world_size if world_size > 1 and dtype.itemsize < 4 else 1
 
 
 def _unscaled_non_finite(shards: list, inv_scale: torch.Tensor, device) -> torch.Tensor:
