@@ -331,10 +331,10 @@ class Reducer:
         self._coverage_due, self.local_accumulation = False, True  # bound with params it does not hold; see bind
         self._deferred = False  # this backward reduces at its end only: [Note: several optimizers over one module]
         self._stand_ins = _StandIns()
+        weakref.finalize(self, self._stand_ins.clear)  # none left in p.grad once this reducer is gone
         self._unhooked: list[int] = []  # frozen ones among them: no hook yet
         # This backward (between its arming and its end).
-        self._armed = False
-        self._left: list[int] = []  # per buffer: grads still to come this backward
+        self._armed, self._left = False, []  # _left: per buffer, grads still to come this backward
         self._pending: set[int] = set()  # params counted in _left that have not come yet
         self._placed: set[int] = set()  # params whose grad is in their bucket this backward
         self._regions_cache: tuple = (None, False)  # (unreached params, reentrant regions below)
@@ -706,7 +706,7 @@ class Reducer:
             self._abandon()
         self._broken = False
         self._unscaled = False
-        self._stand_ins.clear(self._table().params)
+        self._stand_ins.clear()
         self._written.clear()
         self._since = _SinceStep()
         self.peak_bucket_bytes = self.held_bucket_bytes
@@ -795,7 +795,7 @@ class _StandIns:
     """What ``p.grad`` holds between a syncing backward and the step: see [Note: p.grad stands in for the shards]."""
 
     def __init__(self):
-        self._standing: dict[int, tuple] = {}  # param index -> (its stand-in, in p.grad, and its version then)
+        self._standing: dict[int, tuple] = {}  # param index -> (the param, its stand-in in p.grad, its version then)
         self._kept: dict[int, torch.Tensor] = {}  # reused from one backward to the next while untouched
 
     def __bool__(self) -> bool:
@@ -803,7 +803,7 @@ class _StandIns:
 
     def holds(self, i: int, p: torch.Tensor) -> bool:
         """Whether ``p.grad`` (param ``i``) is its stand-in."""
-        return i in self._standing and p.grad is self._standing[i][0]
+        return i in self._standing and p.grad is self._standing[i][1]
 
     def place(self, params, indices) -> None:
         """Put the stand-ins of these params (whose ``p.grad`` is None) in ``p.grad``."""
@@ -812,14 +812,14 @@ class _StandIns:
             if s is None or s.shape != p.shape or s.dtype != p.dtype or s.device != p.device or version_of(s):
                 s = self._kept[i] = torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
             p.grad = s
-            self._standing[i] = (s, version_of(s))
+            self._standing[i] = (p, s, version_of(s))
 
     def settle(self, table, *, clear: bool) -> list[tuple[int, bool]]:
         """What was done to the stand-ins since they were placed: (param index, zeroed rather than
         dropped) for each set to None (dropped) or zeroed in place; anything else raises. ``clear``:
         a backward starts: take the stand-ins out of ``p.grad`` (autograd accumulates into it)."""
         params, changed = table.params, []
-        for i, (s, version) in list(self._standing.items()):
+        for i, (_, s, version) in list(self._standing.items()):
             g = params[i].grad
             if g is s and version_of(s) == version:
                 pass
@@ -842,17 +842,17 @@ class _StandIns:
                 )
             else:
                 changed.append((i, True))
-                self._standing[i] = (s, version_of(s))
+                self._standing[i] = (params[i], s, version_of(s))
             if clear:
                 params[i].grad = None
                 del self._standing[i]
         return changed
 
-    def clear(self, params) -> None:
-        """The grads are spent (a step, ``zero_grad``): the stand-ins leave ``p.grad``."""
-        for i, (s, _) in self._standing.items():
-            if params[i].grad is s:
-                params[i].grad = None
+    def clear(self) -> None:
+        """The grads are spent (a step, ``zero_grad``, the reducer is gone): the stand-ins leave ``p.grad``."""
+        for p, s, _ in self._standing.values():
+            if p.grad is s:
+                p.grad = None
         self._standing = {}
 
 

@@ -217,6 +217,41 @@ def _two_optimizers(rank, stage2: bool, accumulate: int):
     return _state(model)
 
 
+class TwoBranches(nn.Module):
+    """Two branches summed; with ``flip`` the second gets no grad."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.a, self.b = nn.Linear(5, 3).double(), nn.Linear(5, 3, bias=False).double()
+
+    def forward(self, x, flip: bool):
+        if flip:  # b is unused on this rank: its reducer adds zeros at the end of the backward
+            return self.a(x) + 0 * self.b(x).detach()
+        return self.b(x) + self.a(x)
+
+
+def _branches_in_rank_order(rank, stage2: bool):
+    """Two optimizers over one model, one per branch; the second branch is unused on rank 1, so its
+    buckets complete there only at the end of the backward, after the first branch's, and on
+    rank 0 before them."""
+    model = TwoBranches()
+    if stage2:
+        opts = (_zero(model.a.parameters()), _zero(model.b.parameters(), lr=0.01))
+        for opt in opts:
+            opt.bind_module(model, bucket_cap_mb=0.0001)
+        m = model
+    else:
+        m = DDP(model, find_unused_parameters=True)
+        opts = (torch.optim.AdamW(model.a.parameters(), **LR), torch.optim.AdamW(model.b.parameters(), **{**LR, "lr": 0.01}))
+    for step in range(STEPS):
+        m(_data(step, rank, 4, 5), rank == 1).square().mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    return _state(model)
+
+
 SCENARIOS = {
     "dcgan-set-to-none": (_dcgan, dict(set_to_none=True)),
     "dcgan-zeroed": (_dcgan, dict(set_to_none=False)),
@@ -229,6 +264,7 @@ SCENARIOS = {
     "counting-no-broadcast": (_counting, dict(broadcast_buffers=False)),
     "two-optimizers-one-model": (_two_optimizers, dict(accumulate=1)),
     "two-optimizers-one-model-no-sync-2": (_two_optimizers, dict(accumulate=2)),
+    "two-optimizers-branches-in-rank-order": (_branches_in_rank_order, {}),
 }
 
 
@@ -409,3 +445,4 @@ def test_the_stand_ins_hold_no_memory_and_leave_at_the_step():
     assert all(p.grad.isnan().all() for p in model.parameters())
     opt.step()
     assert all(p.grad is None for p in model.parameters())
+
