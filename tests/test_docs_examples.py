@@ -69,7 +69,7 @@ RUN_COMMANDS = [b for p in PAGES for b in blocks(p) if b.lang != "python" and b.
 
 def _env() -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1", HF_ZERO_DOCS_TEST="1")
+               OMP_NUM_THREADS="1")
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.pop("WORLD_SIZE", None), env.pop("RANK", None), env.pop("LOCAL_RANK", None)
     return env
