@@ -430,7 +430,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     def state_dict(self) -> dict:
         """A dict a plain ``optimizer_class`` over the same params would return, except with masters: a 16-bit
-        param's state is then fp32, plus ``"master_param"`` (docs/usage.md, "Master weights"). Never a collective.
+        param's state is then fp32, plus ``"master_param"`` (docs/precision.md). Never a collective.
 
         Complete on one rank or before any state exists; on several ranks, read it on the
         rank :meth:`consolidate_state_dict` gathered to. Otherwise ``"state"`` is a

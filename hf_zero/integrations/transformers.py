@@ -406,7 +406,7 @@ class ZeroBucketCallback(TrainerCallback):
         return {
             "zero_rebuilds": stats["rebuilds"],
             "zero_trainable_elements_per_rank": elements,
-            # the fp32 masters are optimizer state too (docs/usage.md counts them so)
+            # the fp32 masters are optimizer state too (docs/precision.md counts them so)
             "zero_state_bytes_per_rank": [s + m for s, m in zip(stats["state_bytes_per_rank"],
                                                                 stats["master_bytes_per_rank"])],
             "zero_master_bytes_per_rank": stats["master_bytes_per_rank"],
