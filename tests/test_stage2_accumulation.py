@@ -188,3 +188,20 @@ def test_optim_args_grad_accum_dtype():
         parse("stage=2,grad_accum_dtype=bf16")
     with pytest.raises(ValueError, match=r"grad_accum_dtype is a stage=2 option"):
         parse("grad_accum_dtype=fp32")
+
+
+# -- the benchmark -------------------------------------------------------------------------------
+@pytest.mark.timeout(400)
+def test_the_accumulation_benchmark_measures_what_it_claims(tmp_path):
+    """``python -m benchmarks.accumulation``, shortened (2 steps of 2 micro-batches, the Trainer run
+    only): every variant trains, the fp32 shards end at the float64 reference, the others do not."""
+    from benchmarks import accumulation
+
+    report = accumulation.main(["--steps", "2", "--accumulation", "2", "--runs", "clm", "--out", str(tmp_path)])
+    rows = report["runs"]["clm"]["rows"]
+    assert rows["stage2_fp32"]["params_differing"] == 0 and rows["stage2_fp32"]["first_step_grads"]["max_rel"] < 1e-6
+    for name in ("stage1", "stage2_param"):
+        assert rows[name]["params_differing"] > 0 and rows[name]["first_step_grads"]["max_rel"] > 1e-3, name
+    assert rows["stage2_fp32"]["first_step_grads"]["grad_shard_bytes_rank"] == \
+        2 * rows["stage2_param"]["first_step_grads"]["grad_shard_bytes_rank"]
+    assert (tmp_path / "results.json").exists()
