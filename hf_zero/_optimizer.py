@@ -137,7 +137,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             integration's choice (off by default).
         master_weights: ``"auto"`` (default) or ``True``: bf16/fp16 params step through
             sharded fp32 masters, saved as state ``"master_param"``; ``False``: pure
-            16-bit steps. fp16 params cannot use a ``GradScaler``. See ``_masters.py``.
+            16-bit steps. fp16 params use a ``GradScaler`` under stage 2 only (fp32 shards). See ``_masters.py``.
         stage: ``2`` shards grads too (no DDP: :meth:`bind_module`, docs/stage2.md); default ``1``.
         grad_accum_dtype: stage 2's 16-bit grad shards: ``"fp32"`` (``"auto"``) or ``"param"`` (_stage2.py).
         **defaults: hyperparameters for ``optimizer_class``.

@@ -67,7 +67,9 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
   micro-batch, none across them). Cost: 2/N more bytes per param (the shard), nothing on
   the wire. The step reads float32 grads: the fp32 masters take them as they are (an
   exact copy); without masters they are rounded once to the param's dtype; clipping and a
-  GradScaler's ``unscale_`` work on the float32 shards. Shards are never saved, and a
+  GradScaler's ``unscale_`` work on the float32 shards (so fp16 params can use a GradScaler,
+  which refuses to unscale 16-bit grads, as it still does with ``"param"``). Shards are
+  never saved, and a
   trainability change re-plans them in the same dtype. ``"param"`` keeps stage 1's
   arithmetic: bitwise stage 1's grads without accumulation or under ``no_sync()``
   (``local_accumulation``), at 2/N bytes per param.

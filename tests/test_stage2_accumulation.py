@@ -205,3 +205,52 @@ def test_the_accumulation_benchmark_measures_what_it_claims(tmp_path):
     assert rows["stage2_fp32"]["first_step_grads"]["grad_shard_bytes_rank"] == \
         2 * rows["stage2_param"]["first_step_grads"]["grad_shard_bytes_rank"]
     assert (tmp_path / "results.json").exists()
+
+
+# -- fp16 params and a GradScaler ----------------------------------------------------------------
+def _fp16_scaled_steps(grad_accum_dtype: str, steps: int = 3):
+    """One process (world size 1), fp16 params, torch's GradScaler prepared for stage 2, 2 micro-batches
+    per step; returns (the optimizer's masters, the params, an fp32-master AdamW stepped on each step's
+    float64 sum of the scaled fp16 grads times 1/scale)."""
+    import hf_zero
+
+    model = _model().half()
+    params = list(model.parameters())
+    masters = [p.detach().float().clone() for p in params]
+    reference = torch.optim.AdamW(masters, lr=LR, weight_decay=0.1)
+    sums: dict[int, torch.Tensor] = {}
+    for i, p in enumerate(params):
+        p.register_hook(lambda g, i=i: sums.__setitem__(i, sums[i] + g.double() if i in sums else g.double()))
+    opt = ZeroBucketOptimizer(params, torch.optim.AdamW, lr=LR, weight_decay=0.1, stage=2,
+                              grad_accum_dtype=grad_accum_dtype)
+    opt.bind_module(model, bucket_cap_mb=0.002)
+    scaler = hf_zero.prepare_grad_scaler(torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    for step in range(steps):
+        for m in range(2):
+            x, y = _micro_batch(step, 0, m)
+            scaler.scale(torch.nn.functional.mse_loss(model(x.half()), y.half()) / 2).backward()
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        for i, mst in enumerate(masters):
+            mst.grad = (sums[i] / scale).float()
+        reference.step()
+        sums.clear()
+    opt.consolidate_state_dict(to=0)
+    state = opt.state_dict()["state"]
+    return [state[i]["master_param"] for i in range(len(params))], params, masters
+
+
+@pytest.mark.fast
+def test_fp16_params_unscale_their_fp32_shards_with_a_grad_scaler():
+    """torch's GradScaler refuses to unscale fp16 grads ("Attempting to unscale FP16 gradients.", as it
+    does for 16-bit shards); the float32 shards of fp16 params are unscaled in float32 and the masters
+    step on the exact sum (two fp16 grads add exactly in float32, and 1/scale is a power of two)."""
+    got, params, want = _fp16_scaled_steps("fp32")
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), (a - b).abs().max().item()
+    assert all(p.dtype == torch.float16 for p in params)
+    assert not all(torch.equal(p.detach(), q.detach()) for p, q in zip(params, _model().half().parameters()))
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        _fp16_scaled_steps("param", steps=1)
