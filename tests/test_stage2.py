@@ -163,8 +163,9 @@ def _stage1_run(rank, world_size, setup: Setup, accumulate: int):
 
 
 def _stage2_run(rank, world_size, setup: Setup, accumulate: int):
+    """Stage 2 as stage 1 accumulates: 16-bit grads in their own dtype ([Note: what stage 2 accumulates in])."""
     model = build_model(setup.model)
-    opt = make_zero(setup, model, stage=2)
+    opt = make_zero(setup, model, stage=2, grad_accum_dtype="param")
     opt.bind_module(model, bucket_cap_mb=BUCKET_MB)
     _accumulated_steps(model, model.no_sync, opt, rank, world_size, accumulate)
     return params_of(model)
@@ -290,7 +291,9 @@ def _lot_results() -> list:
 def test_stage2_is_bitwise_stage1_at_two_ranks(name):
     """At 2 ranks the mean (a + b) / 2 is the same bits whichever way it is reduced, so stage 2
     equals stage 1 under DDP with the reduce-scatter comm hook bit for bit (with no_sync
-    accumulation: both reduce the micro-batches' local sum once)."""
+    accumulation: both reduce the micro-batches' local sum once), bf16 grads too where stage 2
+    accumulates them in bf16 (``grad_accum_dtype="param"``; the default fp32 shards hold the
+    exact a/2 + b/2 instead: tests/test_stage2_accumulation.py)."""
     per_rank = _lot_results()
     initial = params_of(build_model(BITWISE[name][0].model))
     for r in per_rank:

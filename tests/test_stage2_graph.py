@@ -427,8 +427,9 @@ def _bf16_masters(rank, world_size):
 
 
 def _bf16_reference(per_rank):
-    """fp32 masters stepped by AdamW on the 2-rank average of the bf16 grads ((a + b) / 2 in bf16: the
-    same bits as the reduce-scatter's a/2 + b/2), rounded into bf16 params (tests/test_masters.py)."""
+    """fp32 masters stepped by AdamW on the 2-rank average of the bf16 grads, summed in fp32 as the default
+    ``grad_accum_dtype="fp32"`` shards sum them ((a + b) / 2 in fp32: the same bits as the reduce-scatter's
+    a/2 + b/2 summed into a float32 shard), rounded into bf16 params (tests/test_masters.py)."""
     model = build_model("mlp", torch.bfloat16)
     masters = [p.detach().float().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1)
@@ -437,7 +438,7 @@ def _bf16_reference(per_rank):
         grads = [r["bf16"][0][step] for r in per_rank]
         for i, m in enumerate(masters):
             gs = [g[i] for g in grads]
-            m.grad = None if gs[0] is None else ((gs[0] + gs[1]) / 2).float()
+            m.grad = None if gs[0] is None else (gs[0].float() + gs[1].float()) / 2
         opt.step()
         out.append([m.to(torch.bfloat16) for m in masters])
     return out

@@ -240,6 +240,16 @@ def _accelerate_reference():
 
 @pytest.mark.timeout(200)
 def test_accelerate_stage2_loop_without_ddp_equals_one_process_and_save_load_state_is_exact(tmp_path):
+    """An Accelerate loop with ``accumulate(4)`` and clipping that clips, float64 tiny BERT, 2 gloo
+    ranks against one process on the global batch: the prepared model is the model itself (no
+    DDP); every ``p.grad`` is None after each syncing backward; no micro-batch holds a full
+    gradient by default and every one does with ``local_accumulation=True``; the clipped norms
+    equal torch's (rtol 1e-10) and the params the one-process AdamW's (1e-12); the buffer
+    broadcast follows ``DistributedDataParallelKwargs(broadcast_buffers=False)`` and
+    ``bind_module``'s default. ``save_state`` then ``load_state`` restores the params bitwise, and
+    replaying the steps is bitwise without bucket views (within 1e-12 with them: until the next
+    step, params that ``load_state`` gave storage of their own compute a few ulps apart on a CPU);
+    ``save_model`` writes the final weights."""
     (shard0, local0, first0, compiled0), (shard1, local1, first1, compiled1) = run_ranks(
         _accelerate_many, 2, str(tmp_path), timeout=180)
     reference, ref_norms = _accelerate_reference()
@@ -297,6 +307,13 @@ STAGE2 = "stage=2"
 
 @pytest.mark.timeout(600)
 def test_trainer_stage2_equals_adamw_and_resumes_across_stages_and_world_sizes(tmp_path):
+    """Trainer, ``optim_args="stage=2"``, 2 ranks, accumulation 2, layer 0 frozen at steps 2-4 and
+    the embeddings at steps 3-4: the logged ``loss`` and ``grad_norm`` of all 7 steps equal
+    ``adamw_torch_fused`` on one process (rtol 1e-10), the params too (1e-12), and
+    ``trainer.model_wrapped`` is the model (under stage 1: a DDP); so does ``stage=2,
+    local_accumulation=true``. Resumed from step 4 with stage 1 -> 2, 2 -> 1, and stage 2 on one
+    process, each equals the reference; ``hf-zero consolidate`` of the stage-2 checkpoint equals
+    the reference's ``optimizer.pt`` (1e-12)."""
     s2, s1 = str(tmp_path / "s2"), str(tmp_path / "s1")
     two = run_ranks(run_many, 2, [
         ("run_trainer", dict(output_dir=s2, optim_args=STAGE2, **MAIN)),
