@@ -3,8 +3,9 @@
 [Note: stage 2 reducer]
 Under stage 2 the model is not wrapped in DDP (DDP's reducer allocates every gradient
 bucket whole: docs/stage2.md). :meth:`Reducer.bind` broadcasts the module's params and
-buffers from rank 0, as DDP does (buffers again before each forward that syncs grads,
-DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the optimizer:
+buffers from rank 0, as DDP does (buffers again after each syncing backward, DDP's
+``broadcast_buffers``, unless turned off: [Note: buffers after a syncing backward]), and
+hooks every param of the optimizer:
 
 - **Buckets.** The trainable params, in reverse order of the bound module's registration
   (DDP's order, about the order a backward finishes them), are cut into buckets of at most
@@ -109,6 +110,51 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
   one small all-reduce after a backward agrees on that, folded into clipping's norm or a
   GradScaler's inf check where there is one ([Note: agreeing on presence]). The step
   consumes the shards (as ``zero_grad`` would).
+- **p.grad.** [Note: p.grad stands in for the shards]
+  Under DDP the averaged grads live in ``p.grad``, so everything that clears ``p.grad``
+  drops them: ``module.zero_grad()`` of any submodule (the DCGAN loop clears D before G's
+  loss backpropagates through D, and again before D's next step), ``p.grad = None`` by hand,
+  ``zero_grad(set_to_none=False)``. torch has no hook for any of these; the only thing they
+  touch is ``p.grad``. So after each syncing backward every param of the reduced buckets
+  gets a *stand-in* in ``p.grad`` (every rank alike): a NaN expanded to the param's shape
+  from one element (no memory; kept from one backward to the next). What was done to it is
+  read back before the next backward accumulates (a tensor hook of each param, and the
+  arming), and before the step or clipping reads the shards: set to None, this rank's
+  elements of the param's grad are zeroed in the shard and the param has no grad since the
+  step (the step skips it, as torch's optimizers skip a grad of None: no weight decay, no
+  moments); zeroed in place, its elements are zeroed and it keeps a grad; replaced by
+  another tensor or changed otherwise, it is an error that names the fix (the shards cannot
+  follow). Reading a stand-in gives NaN, and an in-place op other than ``zero_()`` on it
+  raises (torch refuses writes to an expanded tensor): code that reads or scales ``p.grad``
+  between backward and step (``torch.nn.utils.clip_grad_norm_``) fails loudly rather than
+  seeing nothing. The step and ``zero_grad`` take the stand-ins out again.
+- **Buffers.** [Note: buffers after a syncing backward]
+  DDP broadcasts rank 0's buffers at the start of a forward when the forward before it
+  synced grads (``require_forward_param_sync``): the next training forward, also the first
+  one of an accumulation's micro-batches under ``no_sync()``. Under Trainer the model that
+  callbacks get is the bound module itself, so a broadcast at a forward would also run in
+  a callback's forward on rank 0 alone (a sample loss, generation) and every rank would
+  wait for the collective timeout: a forward must run no collective. So rank 0's buffers
+  are sent at the end of each syncing backward, where every rank is, and each other rank
+  takes them at its next grad-mode forward: the forward DDP would have broadcast before.
+  Training forwards read what they read under DDP, buffers saved for the backward are
+  never written during it, and evaluation under ``no_grad`` between steps reads each
+  rank's own buffers, as under Trainer + DDP. Two differences remain: what rank 0 changes
+  in its buffers between a syncing backward and the next training forward (a forward on
+  rank 0 alone in train mode) reaches the other ranks one syncing backward later; and
+  buffers made to differ after ``bind_module`` are not overwritten before the first
+  forward (DDP's first forward broadcasts), only from the second.
+- **Several optimizers.** [Note: several optimizers over one module]
+  Each stage-2 optimizer bound to a module reduces its own params' grads (a backbone and a
+  head with optimizers of their own); the trainable params must be covered by them, which
+  is checked at the first forward (not at a bind: the next optimizer may hold the rest).
+  ``no_sync()`` suspends every one, and only the first bound broadcasts buffers. gloo
+  matches collectives by order, and two reducers' buckets would complete in an order that
+  depends on each rank's graph: so the first reducer armed in a backward reduces its
+  buckets as they complete, and every other one armed while it is (one optimizer per
+  module of a GAN too) reduces all of its buckets at its own end of the backward; the ends
+  run in the order the reducers armed, so every rank starts the same collectives in the
+  same order.
 - **GradScaler.** :meth:`Reducer.unscale_` unscales the shards and agrees on inf/NaN over
   every rank's shard (one MAX all-reduce), for a GradScaler routed to it
   ([Note: GradScaler over sharded grads] in integrations/amp.py). When the scaler then
@@ -126,7 +172,8 @@ import torch
 
 from ._comm import Comm, early_divisor
 from ._engine import (
-    grad_accumulator, graph_task_id, queue_end_of_backward, reentrant_region_below, running_node, tree_tensors, will_run,
+    grad_accumulator, graph_task_id, queue_end_of_backward, reentrant_region_below, running_node, tree_tensors,
+    version_of, will_run,
 )
 from ._layout import Layout, Piece, plan_layout
 
@@ -251,6 +298,12 @@ class _SinceStep:
     def settle(self, reduced: torch.Tensor) -> None:
         self.agreed = frozenset((reduced > 0).nonzero().flatten().tolist())
 
+    def drop(self, i: int) -> None:
+        """Param ``i`` has no grad since the step (on this rank; agreed ones too)."""
+        self.touched.discard(i)
+        if self.agreed is not None:
+            self.agreed = self.agreed - {i}
+
 
 class ShardedGrads:
     """This rank's averaged grads since the last step, per piece of :attr:`layout`: :meth:`held`,
@@ -269,7 +322,7 @@ class ShardedGrads:
     :meth:`agree` runs it alone."""
 
     def __init__(self, plan: _Plan, shards: list, since: _SinceStep, comm: Comm, count: int):
-        self.layout = plan.layout
+        self.layout, self.device = plan.layout, comm.device
         self.pieces: list[Piece] = plan.layout.pieces(comm.rank)
         self._plan, self._shards, self._since, self._comm, self._count = plan, shards, since, comm, count
 
@@ -319,11 +372,15 @@ class Reducer:
         self._accumulators: dict = {}  # param index -> its AccumulateGrad node, per plan
         self._suspended = False  # inside no_sync()
         self._broadcast_buffers = False
+        self._buffers = _ReceivedBuffers()
         self._seen = 0  # params of the table looked at (add_param_group appends)
+        self._coverage_due, self.local_accumulation = False, True  # bound with params it does not hold; see bind
+        self._deferred = False  # this backward reduces at its end only: [Note: several optimizers over one module]
+        self._stand_ins = _StandIns()
+        weakref.finalize(self, self._stand_ins.clear)  # none left in p.grad once this reducer is gone
         self._unhooked: list[int] = []  # frozen ones among them: no hook yet
         # This backward (between its arming and its end).
-        self._armed = False
-        self._left: list[int] = []  # per buffer: grads still to come this backward
+        self._armed, self._left = False, []  # _left: per buffer, grads still to come this backward
         self._pending: set[int] = set()  # params counted in _left that have not come yet
         self._placed: set[int] = set()  # params whose grad is in their bucket this backward
         self._regions_cache: tuple = (None, False)  # (unreached params, reentrant regions below)
@@ -352,42 +409,27 @@ class Reducer:
         """``local_accumulation=False``: the module's ``no_sync()`` does nothing, so every backward
         reduces into the shards (Accelerate's ``accumulate`` and Trainer enter it on every
         micro-batch but the last)."""
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            raise TypeError(
-                "bind_module: stage=2 takes gradient synchronisation over from DistributedDataParallel; "
-                "pass the unwrapped module (model.module) and do not wrap it in DDP"
-            )
-        if self.module_ref is not None:
-            if self.module_ref() is module:
-                return
-            raise ValueError("bind_module: this optimizer is already bound to another module")
-        if getattr(module, "no_sync", None) is not None:
-            raise ValueError(f"bind_module: {type(module).__name__} already has a no_sync attribute")
-        if cap_bytes <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {cap_bytes / (1 << 20)}")
+        if self.module_ref is not None and self.module_ref() is module:
+            return
+        others = _refuse_binding(module, self.module_ref, cap_bytes=cap_bytes, local_accumulation=local_accumulation)
         table = self._table()
-        missing = [n for n, p in module.named_parameters() if p.requires_grad and table.index(p) is None]
-        if missing:
-            raise ValueError(
-                f"bind_module: trainable params of the module are not in the optimizer: {missing[:5]}; "
-                "give the optimizer every param (frozen ones too) or freeze these"
-            )
+        self._coverage_due = any(p.requires_grad and table.index(p) is None for p in module.parameters())
         self.cap_bytes = cap_bytes
-        seen, tensors = set(), []
-        for t in [*table.params, *module.parameters(), *module.buffers()]:
-            if id(t) not in seen:
-                seen.add(id(t))
-                tensors.append(t.data)
-        with torch.no_grad():
-            self.comm.broadcast_(tensors, src=0, what="broadcasting parameters and buffers from rank 0")
+        self.local_accumulation = local_accumulation
+        _broadcast_at_bind(self.comm, [*table.params, *module.parameters(), *module.buffers()])
         me = weakref.ref(self)
         self._hook_params()
-        self._broadcast_buffers = broadcast_buffers and self.comm.world_size > 1 and any(True for _ in module.buffers())
+        self._broadcast_buffers = (broadcast_buffers and self.comm.world_size > 1 and not others
+                                   and any(True for _ in module.buffers()))
         self._handles.append(module.register_forward_pre_hook(_before_forward(me)))
         self._handles.append(module.register_forward_hook(_after_forward(me)))
         self.module_ref = weakref.ref(module)
         self._plan_key = None  # planned again, in the module's order
-        module.no_sync = self.no_sync if local_accumulation else contextlib.nullcontext
+        _BOUND.setdefault(module, []).append(me)
+        if not local_accumulation:
+            module.no_sync = contextlib.nullcontext
+        else:
+            module.no_sync = self.no_sync if not others else _NoSyncAll([*map(weakref.ref, others), me])
 
     def _hook_params(self) -> None:
         """Hook the params that need a grad and have no hook yet: at bind, then before each forward
@@ -398,6 +440,7 @@ class Reducer:
         self._seen = len(params)
         if any(params[i].requires_grad for i in self._unhooked):
             for i in [i for i in self._unhooked if params[i].requires_grad]:
+                self._handles.append(params[i].register_hook(_before_accumulating(me)))
                 self._handles.append(params[i].register_post_accumulate_grad_hook(_hook(me, i)))
             self._unhooked = [i for i in self._unhooked if not params[i].requires_grad]
 
@@ -439,10 +482,10 @@ class Reducer:
             return
         if self._armed:
             self._abandon()
+        if self._coverage_due:
+            self._coverage_due = _check_coverage(module)  # False, or it raises
         self._hook_params()
-        if self._broadcast_buffers and torch.is_grad_enabled() and not self._suspended:
-            with torch.no_grad():
-                self.comm.broadcast_([b for b in module.buffers()], src=0, what="broadcasting buffers from rank 0")
+        self._buffers.take()
 
     def after_forward(self, output):
         """The bound module's forward hook: arm the backward of ``output`` at its start (unless
@@ -456,13 +499,11 @@ class Reducer:
             # Nothing of this forward needs a grad (this rank's control flow used no trainable
             # param): give its float outputs one so that the backward still arms here and
             # this rank joins the other ranks' reduce-scatters (with zeros).
-            floats = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            if not floats or not self._current_plan().where:
+            if not self._current_plan().where:
                 return None
-            anchor = torch.empty(0, requires_grad=True)
-            for k, t in zip(floats, _Anchored.apply(anchor, *(leaves[k] for k in floats))):
-                leaves[k] = t
-            output, tensors = rebuild(leaves), [leaves[floats[0]]]
+            output, tensors = _anchored(leaves, rebuild)
+            if output is None:
+                return None
         self._since.forwarded |= not self._suspended
         hook = _arm(weakref.ref(self))
         for node in {t.grad_fn for t in tensors}:
@@ -496,6 +537,7 @@ class Reducer:
             self._launch_ready()
 
     def _begin(self, root) -> None:
+        self.settle(clear=True)
         if self._unscaled:  # unscaled, then no step (GradScaler skipped it on an inf): these grads are spent
             self.step_taken()
         plan = self._current_plan()
@@ -506,6 +548,8 @@ class Reducer:
                 "or zero_grad()"
             )
         self._armed, self._next, self._since.armed = True, 0, True
+        self._deferred = any(r is not self for r in _ARMED)
+        _ARMED.add(self)
         self._left, self._pending, self._placed = [0] * len(plan.sizes), set(), set()
         params, accumulators = self._table().params, self._accumulators
         unreached = []
@@ -527,9 +571,8 @@ class Reducer:
         self._launch_ready()
 
     def _reentrant_regions(self, root, unreached: list[int]) -> bool:
-        """Whether a reentrant checkpoint region will run below ``root``. The walk stops at the
-        first region (without one it sees the whole graph), and its answer is kept for as long as
-        the same params are unreached: see [Note: arming a backward]."""
+        """Whether a reentrant checkpoint region will run below ``root`` (the walk stops at the first; its
+        answer kept while the same params are unreached): see [Note: arming a backward]."""
         key = tuple(unreached)
         if self._regions_cache[0] != key:
             self._regions_cache = (key, reentrant_region_below(root))
@@ -588,6 +631,8 @@ class Reducer:
         return self._unpooled_bytes + self._pool.held_bytes
 
     def _launch_ready(self) -> None:
+        if self._deferred:
+            return
         while self._next < len(self._left) and self._left[self._next] == 0:
             self._launch(self._next)
 
@@ -637,6 +682,10 @@ class Reducer:
         while self._in_flight:
             self._finish(*self._in_flight.popleft())
         self._armed, self._since.agreed, self._pending = False, None, set()
+        _ARMED.discard(self)
+        self._stand_ins.place(params, [i for i in self._plan.where if params[i].grad is None and params[i].requires_grad])
+        if self._broadcast_buffers and self.module_ref() is not None:
+            self._buffers.receive(self.comm, list(self.module_ref().buffers()))
 
     def _abandon(self) -> None:
         """The armed backward never ended (it raised): finish the reductions it started (every
@@ -649,6 +698,16 @@ class Reducer:
                 self._pool.give(base)
         self._filling.clear()
         self._armed, self._since.agreed, self._pending, self._broken = False, None, set(), True
+        _ARMED.discard(self)
+
+    # -- p.grad between the backward and the step: [Note: p.grad stands in for the shards] ------
+    def settle(self, *, clear: bool) -> None:
+        """Follow what was done to the stand-ins in ``p.grad``; ``clear``: a grad is about to be accumulated."""
+        if self._stand_ins:
+            for i, zeroed in self._stand_ins.settle(self._table(), clear=clear):
+                _zero_in_shards(self._reduced, self._shards, i)
+                if not zeroed:  # dropped: no grad since the step
+                    self._since.drop(i)
 
     # -- reading ---------------------------------------------------------------------------
     def sharded(self) -> ShardedGrads:
@@ -666,13 +725,9 @@ class Reducer:
                 "hf_zero stage 2: a backward raised before it finished since the last step: the gradients "
                 "hold part of it; call optimizer.zero_grad() before the next backward"
             )
+        self.settle(clear=False)
         table = self._table()
-        local = [table.label(i) for i, p in enumerate(table.params) if p.requires_grad and p.grad is not None]
-        if local:
-            raise RuntimeError(
-                f"hf_zero stage 2: {local[0]} has a gradient that was never reduced: the last backward before "
-                "the step (or clipping) ran under no_sync(), or the grad was set by hand"
-            )
+        _refuse_unreduced(table, self._stand_ins)
         self._since.check_answered()
         if self._reduced is None or not self._written:  # the same on every rank: nothing to agree on
             return ShardedGrads(self._current_plan(), [], _SinceStep(frozenset()), self.comm, len(table.params))
@@ -686,12 +741,8 @@ class Reducer:
         step or ``zero_grad`` comes first (after an inf GradScaler skips the step). Collective."""
         grads = self.sharded()  # its checks
         written = sorted(self._written) if self._reduced is not None else []  # the same buffers on every rank
-        if not allow_fp16 and any(self._shards[b].dtype == torch.float16 for b in written):
-            raise ValueError("Attempting to unscale FP16 gradients.")  # torch's GradScaler.unscale_, word for word
-        local = _unscaled_non_finite([self._shards[b] for b in written], inv_scale, self.comm.device)
-        # the step's agreement rides along: [Note: agreeing on presence]
-        local = grads.all_reduce_along(local, op="max", what="agreeing on non-finite gradients (GradScaler)")
-        found_inf.copy_(torch.maximum(found_inf, local.to(found_inf.device)))
+        _unscale(grads, [self._shards[b] for b in written], [self._shards[b].dtype for b in written],
+                 inv_scale, found_inf, allow_fp16=allow_fp16)
         self._unscaled = True
 
     def step_taken(self) -> None:
@@ -700,9 +751,206 @@ class Reducer:
             self._abandon()
         self._broken = False
         self._unscaled = False
+        self._stand_ins.clear()
         self._written.clear()
         self._since = _SinceStep()
         self.peak_bucket_bytes = self.held_bucket_bytes
+
+
+# [Note: several optimizers over one module]
+_BOUND: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()  # module -> its reducers
+_ARMED: "weakref.WeakSet[Reducer]" = weakref.WeakSet()  # reducers whose backward is under way
+
+
+def _reducers_of(module: torch.nn.Module) -> list[Reducer]:
+    """The live reducers bound to ``module``, in the order they were bound."""
+    found = (ref() for ref in _BOUND.get(module, ()))
+    return [r for r in found if r is not None and r.module_ref is not None and r.module_ref() is module]
+
+
+def _refuse_binding(module: torch.nn.Module, bound_ref, *, cap_bytes: int, local_accumulation: bool) -> list:
+    """Refuse a bind before anything changes; return the other reducers bound to ``module``."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "bind_module: stage=2 takes gradient synchronisation over from DistributedDataParallel; "
+            "pass the unwrapped module (model.module) and do not wrap it in DDP"
+        )
+    if bound_ref is not None:
+        raise ValueError("bind_module: this optimizer is already bound to another module")
+    others = _reducers_of(module)
+    if getattr(module, "no_sync", None) is not None and not others:
+        raise ValueError(f"bind_module: {type(module).__name__} already has a no_sync attribute")
+    if any(o.local_accumulation != local_accumulation for o in others):
+        raise ValueError(
+            "bind_module: local_accumulation must be the same for every optimizer bound to one module "
+            f"(another one bound it with local_accumulation={not local_accumulation})"
+        )
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket_cap_mb must be positive, got {cap_bytes / (1 << 20)}")
+    return others
+
+
+def _broadcast_at_bind(comm: Comm, tensors: list) -> None:
+    """Rank 0's values of these params and buffers (each once), as DDP's constructor does."""
+    unique = list({id(t): t.data for t in tensors}.values())
+    with torch.no_grad():
+        comm.broadcast_(unique, src=0, what="broadcasting parameters and buffers from rank 0")
+
+
+def _check_coverage(module: torch.nn.Module) -> bool:
+    """At the first forward after a bind that left some of ``module``'s trainable params to other
+    optimizers: every one must be held by a stage-2 optimizer bound to it (False: checked)."""
+    tables = [r._table() for r in _reducers_of(module)]
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and all(t.index(p) is None for t in tables)]
+    if missing:
+        raise ValueError(
+            f"hf_zero stage 2: trainable params of the bound model are in no stage-2 optimizer bound to it: "
+            f"{missing[:5]} (their grads would never be averaged); give them to an optimizer (frozen params "
+            "may be given too) and bind every optimizer to the model (optimizer.bind_module(model), or "
+            "accelerator.prepare(model, *optimizers)), or freeze them"
+        )
+    return False
+
+
+class _NoSyncAll:
+    """The ``no_sync()`` of a module several optimizers are bound to: every one's at once."""
+
+    def __init__(self, reducer_refs: list):
+        self._refs = reducer_refs
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with contextlib.ExitStack() as stack:
+            for reducer in (ref() for ref in self._refs):
+                if reducer is not None:
+                    stack.enter_context(reducer.no_sync())
+            yield
+
+
+def _zero_in_shards(plan: _Plan | None, shards: list, i: int) -> None:
+    """Zero param ``i``'s elements in this rank's ``shards`` (of ``plan``)."""
+    if plan is not None and i in plan.where:
+        b, offset, numel = plan.where[i]
+        lo, hi = plan.owned[b]
+        a, z = max(offset, lo), min(offset + numel, hi)
+        if a < z and shards[b] is not None:
+            shards[b][a - lo : z - lo].zero_()
+
+
+class _StandIns:
+    """What ``p.grad`` holds between a syncing backward and the step: see [Note: p.grad stands in for the shards]."""
+
+    def __init__(self):
+        self._standing: dict[int, tuple] = {}  # param index -> (the param, its stand-in in p.grad, its version then)
+        self._kept: dict[int, torch.Tensor] = {}  # reused from one backward to the next while untouched
+
+    def __bool__(self) -> bool:
+        return bool(self._standing)
+
+    def holds(self, i: int, p: torch.Tensor) -> bool:
+        """Whether ``p.grad`` (param ``i``) is its stand-in."""
+        return i in self._standing and p.grad is self._standing[i][1]
+
+    def place(self, params, indices) -> None:
+        """Put the stand-ins of these params (whose ``p.grad`` is None) in ``p.grad``."""
+        for i in indices:
+            p, s = params[i], self._kept.get(i)
+            if s is None or s.shape != p.shape or s.dtype != p.dtype or s.device != p.device or version_of(s):
+                s = self._kept[i] = torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
+            p.grad = s
+            self._standing[i] = (p, s, version_of(s))
+
+    def settle(self, table, *, clear: bool) -> list[tuple[int, bool]]:
+        """What was done to the stand-ins since they were placed: (param index, zeroed rather than
+        dropped) for each set to None (dropped) or zeroed in place; anything else raises. ``clear``:
+        a backward starts: take the stand-ins out of ``p.grad`` (autograd accumulates into it)."""
+        params, changed = table.params, []
+        for i, (_, s, version) in list(self._standing.items()):
+            g = params[i].grad
+            if g is s and version_of(s) == version:
+                pass
+            elif g is None:
+                changed.append((i, False))
+                del self._standing[i]
+                continue
+            elif g is not s:
+                raise RuntimeError(
+                    f"hf_zero stage 2: the grad of {table.label(i)} was replaced by hand after the backward; "
+                    "under stage 2 the averaged grads live in the optimizer's shards and p.grad only stands in "
+                    "for them: set p.grad = None (or zero_grad()) to drop a grad, zero_() it to zero it, clip "
+                    "with optimizer.clip_grad_norm_ / clip_grad_value_, or use stage=1"
+                )
+            elif bool(s.reshape(-1)[:1].ne(0).any()):
+                raise RuntimeError(
+                    f"hf_zero stage 2: the grad of {table.label(i)} was changed in place after the backward; "
+                    "under stage 2 p.grad only stands in for the sharded grad: set it to None or zero_() it, clip "
+                    "with optimizer.clip_grad_norm_ / clip_grad_value_ (not torch.nn.utils'), or use stage=1"
+                )
+            else:
+                changed.append((i, True))
+                self._standing[i] = (params[i], s, version_of(s))
+            if clear:
+                params[i].grad = None
+                del self._standing[i]
+        return changed
+
+    def clear(self) -> None:
+        """The grads are spent (a step, ``zero_grad``, the reducer is gone): the stand-ins leave ``p.grad``."""
+        for p, s, _ in self._standing.values():
+            if p.grad is s:
+                p.grad = None
+        self._standing = {}
+
+
+class _ReceivedBuffers:
+    """Rank 0's buffers, received after a syncing backward, for the next grad-mode forward to take:
+    see [Note: buffers after a syncing backward]."""
+
+    def __init__(self):
+        self._received: tuple | None = None  # (the buffers, rank 0's values of them)
+
+    def receive(self, comm: Comm, buffers: list) -> None:
+        """Collective: rank 0 sends its buffers (rank 0 takes nothing)."""
+        if comm.rank == 0:
+            with torch.no_grad():
+                comm.broadcast_(buffers, src=0, what="broadcasting buffers from rank 0")
+            return
+        held = self._received[1] if self._received is not None else ()
+        if [(v.shape, v.dtype, v.device) for v in held] != [(b.shape, b.dtype, b.device) for b in buffers]:
+            held = [torch.empty_like(b) for b in buffers]
+        with torch.no_grad():
+            comm.broadcast_(held, src=0, what="broadcasting buffers from rank 0")
+        self._received = (buffers, held)
+
+    def take(self) -> None:
+        """Before a grad-mode forward: copy what was received into the buffers (once)."""
+        if self._received is not None and torch.is_grad_enabled():
+            (buffers, values), self._received = self._received, None
+            with torch.no_grad():
+                for b, v in zip(buffers, values):
+                    b.copy_(v)
+
+
+def _refuse_unreduced(table, stand_ins: "_StandIns") -> None:
+    """Raise if a param holds a grad that was never reduced (not its stand-in)."""
+    local = [table.label(i) for i, p in enumerate(table.params)
+             if p.requires_grad and p.grad is not None and not stand_ins.holds(i, p)]
+    if local:
+        raise RuntimeError(
+            f"hf_zero stage 2: {local[0]} has a gradient that was never reduced: the last backward before "
+            "the step (or clipping) ran under no_sync(), or the grad was set by hand"
+        )
+
+
+def _unscale(grads: ShardedGrads, shards: list, dtypes: list, inv_scale: torch.Tensor, found_inf: torch.Tensor, *,
+             allow_fp16: bool) -> None:
+    """The body of :meth:`Reducer.unscale_` over the ``shards`` written since the step (their ``dtypes``)."""
+    if not allow_fp16 and torch.float16 in dtypes:
+        raise ValueError("Attempting to unscale FP16 gradients.")  # torch's GradScaler.unscale_, word for word
+    local = _unscaled_non_finite(shards, inv_scale, grads.device)
+    # the step's agreement rides along: [Note: agreeing on presence]
+    local = grads.all_reduce_along(local, op="max", what="agreeing on non-finite gradients (GradScaler)")
+    found_inf.copy_(torch.maximum(found_inf, local.to(found_inf.device)))
 
 
 def _unscaled_non_finite(shards: list, inv_scale: torch.Tensor, device) -> torch.Tensor:
@@ -814,6 +1062,18 @@ def _arm(reducer_ref):
     return arm
 
 
+def _anchored(leaves: list, rebuild) -> tuple:
+    """(the output rebuilt from ``leaves`` with its float tensors through :class:`_Anchored`, one of
+    them), or (None, None) when it has none."""
+    floats = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats:
+        return None, None
+    anchor = torch.empty(0, requires_grad=True)
+    for k, t in zip(floats, _Anchored.apply(anchor, *(leaves[k] for k in floats))):
+        leaves[k] = t
+    return rebuild(leaves), [leaves[floats[0]]]
+
+
 class _Anchored(torch.autograd.Function):
     """Copies of ``tensors`` that need a grad through ``anchor`` (an empty leaf), so that a backward
     from them runs (and arms the reducer) on a rank whose forward used no trainable param."""
@@ -825,6 +1085,15 @@ class _Anchored(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return (None, *grads)
+
+
+def _before_accumulating(reducer_ref):
+    def before_accumulating(grad):  # a param's tensor hook: no stand-in may be in p.grad when autograd accumulates
+        reducer = reducer_ref()
+        if reducer is not None:
+            reducer.settle(clear=True)
+
+    return before_accumulating
 
 
 def _hook(reducer_ref, i: int):
