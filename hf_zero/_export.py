@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._masters import HALF_DTYPES, MASTER_KEY
-from ._sharded import (COMMIT_FILE, Checkpoint, is_reference, is_sharded_checkpoint, reference_info, token_at,
+from ._sharded import (COMMIT_FILE, Checkpoint, confined, is_reference, is_sharded_checkpoint, reference_info, token_at,
                        write_atomic)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -239,7 +239,7 @@ def _load_weights(file: str) -> dict[str, torch.Tensor]:
             weight_map = json.load(f)["weight_map"]
         out: dict[str, torch.Tensor] = {}
         for part in dict.fromkeys(weight_map.values()):
-            loaded = _load_weights(os.path.join(os.path.dirname(file), part))
+            loaded = _load_weights(confined(os.path.dirname(file), part, file))
             out.update({k: v for k, v in loaded.items() if weight_map.get(k) == part})
         missing = sorted(set(weight_map) - set(out))
         if missing:
