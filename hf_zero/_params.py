@@ -105,6 +105,8 @@ class ParamTable:
         chosen = set()
         for p in parameters:
             i = self.index(p)
+            if i is None and p.grad is None:
+                continue  # as torch's clipping skips every param without a grad (a frozen one under PEFT)
             if i is None:
                 raise ValueError(f"{what}: a param of shape {tuple(p.shape)} is not one of this optimizer's params")
             if p.requires_grad:
