@@ -1,0 +1,131 @@
+"""Frozen params (every PEFT / LoRA run) and resuming across optimizers.
+
+Trainer's own optimizers (``adamw_torch``, ``adamw_torch_fused``) hold only the params that
+require grad, in a decay and a no-decay group kept even when empty; ``zero_bucket`` holds every
+param (a frozen one must still train once unfrozen) but writes its state dicts in Trainer's
+layout, the frozen params' state carried where torch's loader ignores it ([Note: trainable
+layout] in hf_zero/_statedict.py). A checkpoint of either resumes with the other, on stage 1 and
+2, sharded or plain, and ``hf-zero consolidate`` writes the file Trainer's optimizer loads.
+"""
+
+import copy
+import os
+
+import pytest
+import torch
+
+import hf_zero
+from hf_zero import _offline, _sharded
+from hf_zero._statedict import FROZEN_KEY
+from hf_zero.cli import main
+from hf_zero.integrations import transformers as hf_tr
+from tests._dist import run_ranks
+from tests.hf_trainer_cases import run_many, tiny_bert
+from tests.models import assert_state_dicts_equal
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+# PEFT's shape: embeddings, every bias and every LayerNorm frozen, so Trainer's no-decay group is
+# empty and its decay group holds the trainable weights only.
+FROZEN = r"^bert\.embeddings\.|bias$|LayerNorm"
+RUN = dict(global_batch=6, max_steps=3, save_strategy="steps", save_steps=2, user_callbacks=False, frozen_re=FROZEN)
+# A layer trained at step 0, frozen from step 1 to 2 (saved then), trained again from step 3: its
+# moments from step 0 must survive the checkpoint for the resumed run to equal the uninterrupted one.
+REFROZEN = dict(RUN, max_steps=4, user_callbacks=True,
+                schedule={1: {"bert.encoder.layer.1.": False}, 3: {"bert.encoder.layer.1.": True}})
+
+
+def _trainer_groups(model) -> list[list[torch.nn.Parameter]]:
+    """Trainer.create_optimizer's groups: decay / no decay, trainable params only, both kept."""
+    decay = set(hf_tr.transformers.Trainer.get_decay_parameter_names(None, model))
+    return [[p for n, p in model.named_parameters() if (n in decay) == d and p.requires_grad] for d in (True, False)]
+
+
+def _peft_bert():
+    import re
+
+    model = tiny_bert()
+    for n, p in model.named_parameters():
+        p.requires_grad_(not re.search(FROZEN, n))
+    return model
+
+
+def _close(a, b, what, atol=1e-12):
+    for n in b:
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=atol, msg=lambda m: f"{what}: {n}: {m}")
+
+
+@pytest.mark.reliability("Trainer, 2 ranks, frozen params and an empty no-decay group (PEFT's shape): zero_bucket "
+                         "checkpoints (stage 1, stage 2, sharded, sharded_checkpoints=false) resumed with adamw_torch / "
+                         "adamw_torch_fused, adamw_torch's with zero_bucket; a frozen layer's moments through a checkpoint",
+                         "every resumed run equals the uninterrupted one (1e-12); optimizer.pt and hf-zero consolidate have "
+                         "Trainer's layout and load into torch AdamW; hf_zero's own resume keeps the frozen layer's moments")
+@pytest.mark.timeout(500)
+def test_resume_across_optimizers_with_frozen_params(tmp_path):
+    def at(name):
+        return str(tmp_path / name)
+
+    def ckpt(name):
+        return at(name) + "/checkpoint-2"
+
+    first = run_ranks(run_many, 2, [
+        ("run_trainer", dict(output_dir=at("zero"), **RUN)),
+        ("run_trainer", dict(output_dir=at("plain"), optim_args="sharded_checkpoints=false", **RUN)),
+        ("run_trainer", dict(output_dir=at("stage2"), optim_args="stage=2", **RUN)),
+        ("run_trainer", dict(output_dir=at("stage2_plain"), optim_args="stage=2,sharded_checkpoints=false", **RUN)),
+        ("run_trainer", dict(output_dir=at("adamw"), optim="adamw_torch", **RUN)),
+        ("run_trainer", dict(output_dir=at("refrozen"), optim_args="sharded_checkpoints=false", **REFROZEN)),
+    ], timeout=300)
+    resumed = run_ranks(run_many, 2, [
+        ("run_trainer", dict(output_dir=at("to_adamw"), optim="adamw_torch", resume=ckpt("zero"), **RUN)),
+        ("run_trainer", dict(output_dir=at("to_fused"), optim="adamw_torch_fused", resume=ckpt("plain"), **RUN)),
+        ("run_trainer", dict(output_dir=at("s2_to_adamw"), optim="adamw_torch", resume=ckpt("stage2"), **RUN)),
+        ("run_trainer", dict(output_dir=at("s2p_to_fused"), optim="adamw_torch_fused", resume=ckpt("stage2_plain"), **RUN)),
+        ("run_trainer", dict(output_dir=at("from_adamw"), resume=ckpt("adamw"), **RUN)),
+        ("run_trainer", dict(output_dir=at("s2_from_adamw"), optim_args="stage=2", resume=ckpt("adamw"), **RUN)),
+        ("run_trainer", dict(output_dir=at("refrozen_resumed"), optim_args="sharded_checkpoints=false",
+                             resume=ckpt("refrozen"), **REFROZEN)),
+    ], timeout=300)
+    for runs in (first, resumed):
+        for run0, run1 in zip(*runs):
+            _close(run1[0], run0[0], "rank 1 vs rank 0", atol=0.0)
+    zero, plain, stage2, stage2_plain, adamw, refrozen = (r[0] for r in first[0])
+    for name, run in (("plain", plain), ("stage2", stage2), ("stage2_plain", stage2_plain), ("adamw", adamw)):
+        _close(run, zero, name)
+    names = ("to_adamw", "to_fused", "s2_to_adamw", "s2p_to_fused", "from_adamw", "s2_from_adamw")
+    for name, run in zip(names, resumed[0]):
+        _close(run[0], zero, name)
+    _close(resumed[0][-1][0], refrozen, "a frozen layer's moments through hf_zero's own checkpoint")
+
+    # optimizer.pt (sharded_checkpoints=false) and `hf-zero consolidate` of the sharded checkpoints
+    # have Trainer's layout: they load into torch AdamW over Trainer's groups.
+    model = _peft_bert()
+    groups = _trainer_groups(model)
+    sizes = [len(g) for g in groups]
+    assert sizes[0] > 0 and sizes[1] == 0  # Trainer's layout: an empty no-decay group
+    written = {}
+    for name in ("zero", "stage2"):
+        out = at(f"{name}.pt")
+        assert main(["consolidate", ckpt(name), out]) == 0
+        written[name] = torch.load(out, weights_only=True)
+        assert_state_dicts_equal(written[name], _offline.consolidate_checkpoint(os.path.join(ckpt(name), hf_tr.SHARDED_DIR)))
+    for name in ("plain", "stage2_plain"):
+        written[name] = torch.load(ckpt(name) + "/optimizer.pt", weights_only=True)
+    adamw_sd = torch.load(ckpt("adamw") + "/optimizer.pt", weights_only=True)
+    for name, sd in written.items():
+        assert [len(g["params"]) for g in sd["param_groups"]] == sizes, name
+        assert list(sd["state"]) == list(adamw_sd["state"]), name
+        for i, st in adamw_sd["state"].items():
+            for k, v in st.items():
+                torch.testing.assert_close(sd["state"][i][k], v, rtol=0, atol=1e-12, msg=lambda m: f"{name} {i} {k}: {m}")
+        torch.optim.AdamW([{"params": g} for g in groups]).load_state_dict(copy.deepcopy(sd))
+        # Frozen params (never stepped here) are carried with every param listed, and have no state.
+        assert len([j for g in sd[FROZEN_KEY]["param_groups"] for j in g["params"]]) == len(list(model.parameters())), name
+        assert sd[FROZEN_KEY]["state"] == {}
+    # The refrozen layer was stepped once before it was frozen: its moments ride in optimizer.pt.
+    refrozen_sd = torch.load(ckpt("refrozen") + "/optimizer.pt", weights_only=True)
+    frozen_names = {n: j for g in refrozen_sd[FROZEN_KEY]["param_groups"] for j, n in zip(g["params"], g["param_names"])}
+    layer1 = [n for n in frozen_names if n.startswith("bert.encoder.layer.1.") and n.endswith("weight")
+              and "LayerNorm" not in n]
+    assert layer1 and all(frozen_names[n] in refrozen_sd[FROZEN_KEY]["state"] for n in layer1)
+    assert all(float(refrozen_sd[FROZEN_KEY]["state"][frozen_names[n]]["exp_avg"].abs().max()) > 0 for n in layer1)
