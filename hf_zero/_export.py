@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._masters import HALF_DTYPES, MASTER_KEY
+from ._statedict import every_param
 from ._sharded import (COMMIT_FILE, Checkpoint, confined, is_reference, is_sharded_checkpoint, reference_info, token_at,
                        write_atomic)
 
@@ -265,6 +266,7 @@ def _masters(source: str) -> tuple[dict[str, torch.Tensor], str]:
         return _sharded_masters(directory), f"{directory} (token {token_at(directory)}, the one {source} refers to)"
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError(f"checkpoint: {source} is not an optimizer state dict")
+    sd = every_param(sd)  # frozen params' masters too
     names: dict = {}
     for g in sd["param_groups"]:
         names.update(zip(g["params"], g.get("param_names") or [None] * len(g["params"])))

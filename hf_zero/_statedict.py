@@ -110,6 +110,25 @@ def trainable_layout(state_dict: dict, trainable: list[bool]) -> dict:
     return {"state": state, "param_groups": exposed, FROZEN_KEY: {"param_groups": full, "state": frozen}}
 
 
+def every_param(state_dict: dict) -> dict:
+    """A state dict in the trainable layout with every param listed again, the frozen params' state
+    back in ``"state"`` (see [Note: trainable layout]); any other as it is."""
+    extra = state_dict.get(FROZEN_KEY)
+    if extra is None:
+        return state_dict
+    groups = state_dict["param_groups"]
+    if not (isinstance(extra, dict) and isinstance(extra.get("param_groups"), list)
+            and len(extra["param_groups"]) == len(groups) and isinstance(extra.get("state"), dict)):
+        raise ValueError(f"state_dict[{FROZEN_KEY!r}] must hold 'param_groups' (one per param group) and "
+                         "'state', as hf_zero writes it: the state dict was changed")
+    merged = [{**{k: v for k, v in g.items() if k not in _NOT_HYPER}, **whole}
+              for g, whole in zip(groups, extra["param_groups"])]
+    state = state_dict["state"]
+    if not isinstance(state, ShardedState):
+        state = {**state, **extra["state"]}
+    return {"state": state, "param_groups": merged}
+
+
 def full_layout(opt, state_dict: Any) -> Any:
     """A loaded state dict in ``opt``'s own layout (every param of its groups listed): one in the
     trainable layout put back together, one of an optimizer over ``opt``'s trainable params mapped
@@ -117,18 +136,8 @@ def full_layout(opt, state_dict: Any) -> Any:
     if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
         return state_dict
     groups = state_dict["param_groups"]
-    extra = state_dict.get(FROZEN_KEY)
-    if extra is not None:
-        if not (isinstance(extra, dict) and isinstance(extra.get("param_groups"), list)
-                and len(extra["param_groups"]) == len(groups) and isinstance(extra.get("state"), dict)):
-            raise ValueError(f"state_dict[{FROZEN_KEY!r}] must hold 'param_groups' (one per param group) and "
-                             "'state', as hf_zero writes it: the state dict was changed")
-        merged = [{**{k: v for k, v in g.items() if k not in _NOT_HYPER}, **whole}
-                  for g, whole in zip(groups, extra["param_groups"])]
-        state = state_dict["state"]
-        if not isinstance(state, ShardedState):
-            state = {**state, **extra["state"]}
-        return {"state": state, "param_groups": merged}
+    if FROZEN_KEY in state_dict:
+        return every_param(state_dict)
     mine = [len(g["params"]) for g in opt.param_groups]
     trainable = _trainable_by_group(opt)
     saved = [len(g["params"]) if isinstance(g, dict) and "params" in g else -1 for g in groups]

@@ -129,3 +129,107 @@ def test_resume_across_optimizers_with_frozen_params(tmp_path):
               and "LayerNorm" not in n]
     assert layer1 and all(frozen_names[n] in refrozen_sd[FROZEN_KEY]["state"] for n in layer1)
     assert all(float(refrozen_sd[FROZEN_KEY]["state"][frozen_names[n]]["exp_avg"].abs().max()) > 0 for n in layer1)
+
+
+# -- one process: the layouts against torch's own AdamW -------------------------------------------
+def _two_layers():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).double()
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if "weight" in n], "param_names": [n for n, _ in named if "weight" in n]},
+              {"params": [p for n, p in named if "bias" in n], "param_names": [n for n, _ in named if "bias" in n],
+               "weight_decay": 0.0}]
+    return model, groups
+
+
+def _step(model, opt, seed):
+    torch.manual_seed(seed)
+    model(torch.randn(5, 3, dtype=torch.float64)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.fast
+def test_trainable_layout_loads_into_torch_over_the_trainable_params_and_back_exactly():
+    """Trained, then the first layer frozen: the state dict lists the trainable params only (as torch
+    AdamW over them would), carries the frozen layer's moments, and hf_zero's own load keeps them: after
+    unfreezing, it steps as torch AdamW over all params, which never lost them."""
+    ref_model, ref_groups = _two_layers()
+    ref = torch.optim.AdamW(ref_groups, lr=0.1)
+    model, groups = _two_layers()
+    opt = hf_zero.ZeroBucketOptimizer(groups, torch.optim.AdamW, lr=0.1, state_dict_params="trainable")
+    for m, o in ((ref_model, ref), (model, opt)):
+        _step(m, o, 0)
+        m[0].requires_grad_(False)
+        _step(m, o, 1)
+    sd = copy.deepcopy(opt.state_dict())
+    want = ref.state_dict()  # every param: 0.weight, 1.weight | 0.bias, 1.bias
+    assert [g["param_names"] for g in sd["param_groups"]] == [["1.weight"], ["1.bias"]]
+    assert [g["params"] for g in sd["param_groups"]] == [[0], [1]]
+    for mine, theirs in ((sd["state"][0], want["state"][1]), (sd["state"][1], want["state"][3]),
+                         (sd[FROZEN_KEY]["state"][2], want["state"][0]), (sd[FROZEN_KEY]["state"][3], want["state"][2])):
+        assert mine.keys() == theirs.keys()
+        for k in theirs:
+            assert torch.equal(mine[k], theirs[k]), k
+    # torch AdamW over the trainable params (Trainer's adamw_torch) loads it as it is.
+    torch_over_trainable = torch.optim.AdamW([{"params": [model[1].weight]}, {"params": [model[1].bias]}], lr=0.1)
+    torch_over_trainable.load_state_dict(copy.deepcopy(sd))
+    assert torch.equal(torch_over_trainable.state[model[1].weight]["exp_avg"], want["state"][1]["exp_avg"])
+    # hf_zero's own resume: exact, the frozen layer's moments included.
+    resumed = hf_zero.ZeroBucketOptimizer(groups, torch.optim.AdamW, lr=0.1, state_dict_params="trainable")
+    resumed.load_state_dict(copy.deepcopy(sd))
+    assert_state_dicts_equal(resumed.state_dict(), sd)
+    for m, o in ((ref_model, ref), (model, resumed)):
+        m[0].requires_grad_(True)
+        _step(m, o, 2)
+    for (n, p), q in zip(ref_model.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.fast
+def test_a_state_dict_of_torch_over_the_trainable_params_loads_with_an_empty_group():
+    """Trainer's adamw_torch over a model whose no-decay params are all frozen: groups [2, 0]; hf_zero
+    holds all four params (frozen ones too) in the same two groups and continues as torch does."""
+    ref_model, _ = _two_layers()
+    for n, p in ref_model.named_parameters():
+        p.requires_grad_("weight" in n)
+    ref = torch.optim.AdamW([{"params": [ref_model[0].weight, ref_model[1].weight]},
+                             {"params": [], "weight_decay": 0.0}], lr=0.1)
+    _step(ref_model, ref, 0)
+    saved = copy.deepcopy(ref.state_dict())
+    model, groups = _two_layers()
+    model.load_state_dict(ref_model.state_dict())
+    for n, p in model.named_parameters():
+        p.requires_grad_("weight" in n)
+    opt = hf_zero.ZeroBucketOptimizer(groups, torch.optim.AdamW, lr=0.1, state_dict_params="trainable")
+    opt.load_state_dict(saved)
+    got = opt.state_dict()
+    assert [len(g["params"]) for g in got["param_groups"]] == [2, 0]
+    for i, st in saved["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["state"][i][k], v), (i, k)
+    for m, o in ((ref_model, ref), (model, opt)):
+        _step(m, o, 1)
+    for (n, p), q in zip(ref_model.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), n
+    # With the default layout, the same: a state dict of the trainable params is mapped onto them.
+    plain = hf_zero.ZeroBucketOptimizer(_two_layers()[1], torch.optim.AdamW, lr=0.1)
+    for p in plain.params:
+        p.requires_grad_(p.dim() == 2)
+    plain.load_state_dict(saved)
+    assert [len(g["params"]) for g in plain.state_dict()["param_groups"]] == [2, 2]
+
+
+@pytest.mark.fast
+def test_a_state_dict_that_fits_neither_layout_says_why():
+    model, groups = _two_layers()
+    model[0].requires_grad_(False)
+    opt = hf_zero.ZeroBucketOptimizer(groups, torch.optim.AdamW, lr=0.1)
+    other = torch.optim.AdamW([{"params": [model[1].weight]}, {"params": [model[0].bias, model[1].bias]}])
+    with pytest.raises(ValueError, match=r"param group 0: 1 params saved, this optimizer has 2 \(the param groups hold "
+                                         r"\[2, 2\] params, \[1, 1\] of them trainable now"):
+        opt.load_state_dict(other.state_dict())
+    with pytest.raises(ValueError, match=r"state_dict_params must be one of \('all', 'trainable'\), got 'frozen'"):
+        hf_zero.ZeroBucketOptimizer(groups, torch.optim.AdamW, state_dict_params="frozen")
+    with pytest.raises(ValueError, match="every param group is empty"):
+        hf_zero.ZeroBucketOptimizer([{"params": []}], torch.optim.AdamW)
