@@ -233,3 +233,59 @@ def test_a_state_dict_that_fits_neither_layout_says_why():
         hf_zero.ZeroBucketOptimizer(groups, torch.optim.AdamW, state_dict_params="frozen")
     with pytest.raises(ValueError, match="every param group is empty"):
         hf_zero.ZeroBucketOptimizer([{"params": []}], torch.optim.AdamW)
+
+
+# -- PEFT LoRA ----------------------------------------------------------------------------------
+@pytest.mark.reliability("Trainer, 2 ranks, PEFT LoRA on a tiny Llama: a zero_bucket checkpoint resumed with "
+                         "adamw_torch_fused and an adamw_torch_fused one with zero_bucket",
+                         "each equals the uninterrupted run of the optimizer it resumes with (1e-6, float32)")
+@pytest.mark.timeout(400)
+def test_peft_lora_resumes_across_optimizers(tmp_path):
+    pytest.importorskip("peft")
+    from tests.fp32_export_cases import run_lora_many
+
+    def at(name):
+        return str(tmp_path / name)
+
+    first = run_ranks(run_lora_many, 2, [dict(output_dir=at("zero")),
+                                         dict(output_dir=at("fused"), optim="adamw_torch_fused")], timeout=200)
+    resumed = run_ranks(run_lora_many, 2, [
+        dict(output_dir=at("to_fused"), optim="adamw_torch_fused", resume=at("zero") + "/checkpoint-2"),
+        dict(output_dir=at("from_fused"), resume=at("fused") + "/checkpoint-2"),
+    ], timeout=200)
+    zero, fused = first[0]
+    to_fused, from_fused = resumed[0]
+    assert len(zero) == 8 and all(".lora_" in n for n in zero)
+    _close(fused, zero, "adamw_torch_fused vs zero_bucket", atol=1e-6)
+    _close(to_fused, fused, "zero_bucket checkpoint resumed by adamw_torch_fused", atol=1e-6)
+    _close(from_fused, zero, "adamw_torch_fused checkpoint resumed by zero_bucket", atol=1e-6)
+
+
+@pytest.mark.reliability("hf-zero consolidate --weights on a PEFT LoRA checkpoint (bf16 adapters, fp32 masters)",
+                         "finds adapter_model.safetensors as it finds model.safetensors; every adapter weight is its "
+                         "master bitwise; a directory output is an adapter directory")
+@pytest.mark.timeout(300)
+def test_weights_of_a_lora_checkpoint_come_from_its_adapter_file(tmp_path, capsys):
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from tests.fp32_export_cases import run_lora_many
+
+    run_ranks(run_lora_many, 1, [dict(output_dir=str(tmp_path / "lora"), bf16_adapters=True, max_steps=2)], timeout=200)
+    ckpt = tmp_path / "lora" / "checkpoint-2"
+    assert (ckpt / "adapter_model.safetensors").exists() and not (ckpt / "model.safetensors").exists()
+    adapter = load_file(str(ckpt / "adapter_model.safetensors"))
+    assert adapter and all(v.dtype == torch.bfloat16 for v in adapter.values())
+    sd = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    masters = {names[i].replace(".default.", "."): st["master_param"] for i, st in sd["state"].items()}
+    assert masters.keys() == adapter.keys()
+    assert main(["consolidate", str(ckpt), "--weights", str(tmp_path / "fp32.safetensors")]) == 0
+    printed = capsys.readouterr().out
+    assert f"{len(adapter)} from fp32 master weights" in printed and "adapter_model.safetensors" in printed, printed
+    fp32 = load_file(str(tmp_path / "fp32.safetensors"))
+    assert fp32.keys() == adapter.keys()
+    for k, v in masters.items():
+        assert fp32[k].dtype == torch.float32 and torch.equal(fp32[k], v), k
+    assert main(["consolidate", str(ckpt), "--weights", str(tmp_path / "fp32")]) == 0
+    assert sorted(os.listdir(tmp_path / "fp32")) == ["adapter_config.json", "adapter_model.safetensors"]
