@@ -23,7 +23,9 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict:
     """The plain PyTorch optimizer state dict of a sharded checkpoint, on CPU.
 
     No process group needed. Loads into ``optimizer_class`` over the same params
-    (or into a :class:`ZeroBucketOptimizer` on any world size).
+    (or into a :class:`ZeroBucketOptimizer` on any world size); saved by an optimizer with
+    ``state_dict_params="trainable"`` (Trainer's ``zero_bucket``), it has the layout of one over
+    the params trainable at the save, as Trainer's own optimizer holds them.
     """
     with Checkpoint(path) as ckpt:
         state = {}

@@ -111,8 +111,9 @@ def trainable_layout(state_dict: dict, trainable: list[bool]) -> dict:
 
 
 def every_param(state_dict: dict) -> dict:
-    """A state dict in the trainable layout with every param listed again, the frozen params' state
-    back in ``"state"`` (see [Note: trainable layout]); any other as it is."""
+    """A state dict in the trainable layout with every param listed again and numbered in group order,
+    as ``state_dict_params="all"`` has it, the frozen params' state back in ``"state"`` (see [Note:
+    trainable layout]); any other as it is."""
     extra = state_dict.get(FROZEN_KEY)
     if extra is None:
         return state_dict
@@ -121,11 +122,14 @@ def every_param(state_dict: dict) -> dict:
             and len(extra["param_groups"]) == len(groups) and isinstance(extra.get("state"), dict)):
         raise ValueError(f"state_dict[{FROZEN_KEY!r}] must hold 'param_groups' (one per param group) and "
                          "'state', as hf_zero writes it: the state dict was changed")
-    merged = [{**{k: v for k, v in g.items() if k not in _NOT_HYPER}, **whole}
+    position = {j: n for n, j in enumerate(j for whole in extra["param_groups"] for j in whole["params"])}
+    merged = [{**{k: v for k, v in g.items() if k not in _NOT_HYPER},
+               **whole, "params": [position[j] for j in whole["params"]]}
               for g, whole in zip(groups, extra["param_groups"])]
     state = state_dict["state"]
     if not isinstance(state, ShardedState):
-        state = {**state, **extra["state"]}
+        both = {**state, **extra["state"]}
+        state = {position[j]: both[j] for j in position if j in both}
     return {"state": state, "param_groups": merged}
 
 
