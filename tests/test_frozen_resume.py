@@ -289,3 +289,21 @@ def test_weights_of_a_lora_checkpoint_come_from_its_adapter_file(tmp_path, capsy
         assert fp32[k].dtype == torch.float32 and torch.equal(fp32[k], v), k
     assert main(["consolidate", str(ckpt), "--weights", str(tmp_path / "fp32")]) == 0
     assert sorted(os.listdir(tmp_path / "fp32")) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+@pytest.mark.fast
+def test_trainer_resuming_a_checkpoint_of_other_trainable_params_says_why(tmp_path):
+    """Trainer's adamw_torch handed zero_bucket's state of another trainable set: hf_zero's error says
+    why (torch's would only say a group's size differs), naming both layouts and the fix."""
+    model, groups = _two_layers()
+    opt = hf_zero.ZeroBucketOptimizer(groups, torch.optim.AdamW, lr=0.1, state_dict_params="trainable")
+    model[0].requires_grad_(False)
+    _step(model, opt, 0)
+    saved = copy.deepcopy(opt.state_dict())  # groups [1, 1]: the second layer only
+    everything = torch.optim.AdamW([{"params": [model[0].weight, model[1].weight]},
+                                    {"params": [model[0].bias, model[1].bias]}])
+    with pytest.raises(ValueError, match=r"optim='zero_bucket' with param groups of \[1, 1\] params, and this AdamW "
+                                         r"has \[2, 2\]: the run that saved it had other params trainable"):
+        hf_tr._serve_reference(everything, str(tmp_path), saved)
+    fitting = torch.optim.AdamW([{"params": [model[1].weight]}, {"params": [model[1].bias]}])
+    assert hf_tr._serve_reference(fitting, str(tmp_path), saved) is saved
