@@ -34,15 +34,21 @@ from dataclasses import dataclass, field
 import torch
 
 from ._masters import HALF_DTYPES, MASTER_KEY
-from ._sharded import (COMMIT_FILE, Checkpoint, is_reference, is_sharded_checkpoint, reference_info, token_at,
+from ._statedict import every_param
+from ._sharded import (COMMIT_FILE, Checkpoint, confined, is_reference, is_sharded_checkpoint, reference_info, token_at,
                        write_atomic)
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")  # the order from_pretrained looks in
+                "pytorch_model.bin.index.json",  # the order from_pretrained looks in
+                "adapter_model.safetensors", "adapter_model.bin")  # a PEFT adapter's (save_pretrained of a PeftModel)
+_ADAPTER = "adapter_model"
+# PEFT saves adapter weights without the adapter's name ("lora_A.weight"); the model's params carry it
+# ("lora_A.default.weight"), and so do the masters' names.
+_DEFAULT_ADAPTER = ".default."
 OPTIMIZER_FILES = ("optimizer.pt", "optimizer.bin")  # Trainer's, Accelerate's
 SHARDED_DIR = "hf_zero_optimizer"  # inside a Trainer / Accelerate checkpoint
 # Files copied from the model's directory into an output directory (besides config.json).
-_MODEL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+_MODEL_FILES = ("adapter_config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "chat_template.jinja",
                 "chat_template.json", "preprocessor_config.json")
 
@@ -147,6 +153,8 @@ def _key(name: str, saved: dict) -> str | None:
         return name
     if name.startswith("module.") and name[len("module."):] in saved:  # named through a DDP wrapper
         return name[len("module."):]
+    if _DEFAULT_ADAPTER in name:  # a PEFT adapter's weight, saved without its adapter name
+        return _key(name.replace(_DEFAULT_ADAPTER, ".", 1), saved)
     return None
 
 
@@ -239,7 +247,7 @@ def _load_weights(file: str) -> dict[str, torch.Tensor]:
             weight_map = json.load(f)["weight_map"]
         out: dict[str, torch.Tensor] = {}
         for part in dict.fromkeys(weight_map.values()):
-            loaded = _load_weights(os.path.join(os.path.dirname(file), part))
+            loaded = _load_weights(confined(os.path.dirname(file), part, file))
             out.update({k: v for k, v in loaded.items() if weight_map.get(k) == part})
         missing = sorted(set(weight_map) - set(out))
         if missing:
@@ -265,6 +273,7 @@ def _masters(source: str) -> tuple[dict[str, torch.Tensor], str]:
         return _sharded_masters(directory), f"{directory} (token {token_at(directory)}, the one {source} refers to)"
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError(f"checkpoint: {source} is not an optimizer state dict")
+    sd = every_param(sd)  # frozen params' masters too
     names: dict = {}
     for g in sd["param_groups"]:
         names.update(zip(g["params"], g.get("param_names") or [None] * len(g["params"])))
@@ -354,14 +363,15 @@ def write_directory(export: Export, path: str, max_shard_bytes: int) -> list[str
         shards[-1][k] = v
         size += nbytes
     os.makedirs(path, exist_ok=True)
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    stem = _ADAPTER if os.path.basename(export.weights_from).startswith(_ADAPTER) else "model"
+    names = ([f"{stem}.safetensors"] if len(shards) == 1 else
+             [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for name, shard in zip(names, shards):
         write_atomic(os.path.join(path, name), lambda tmp, s=shard: save_file(s, tmp, metadata={"format": "pt"}))
     if len(shards) > 1:
         index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in weights.values())},
                  "weight_map": {k: name for name, shard in zip(names, shards) for k in shard}}
-        _write_json(os.path.join(path, "model.safetensors.index.json"), index)
+        _write_json(os.path.join(path, f"{stem}.safetensors.index.json"), index)
     config = os.path.join(export.model_dir, "config.json")
     if os.path.isfile(config):
         with open(config) as f:

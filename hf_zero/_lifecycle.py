@@ -32,7 +32,8 @@ from ._masters import HALF_DTYPES, MASTER_KEY, needs_master
 from ._params import ParamTable
 from ._partition import piece_shape
 from ._state import Holding, Holdings, redistribute, shape_as, split_canonical
-from ._statedict import ShardedState, check_state_dict, group_problems, hyperparams, match_checkpoint, mismatch_error
+from ._statedict import (ShardedState, check_state_dict, full_layout, group_problems, hyperparams, match_checkpoint,
+                         mismatch_error, trainable_layout)
 
 
 class StateLifecycle:
@@ -87,7 +88,10 @@ class StateLifecycle:
                         ) -> tuple[list[dict], Holdings | None, bool]:
         """(hyperparameters, this rank's placed state or None to keep the current state,
         whether it holds state) of a loaded state dict; raises before anything changes
-        when it does not fit ``opt`` (see ``ZeroBucketOptimizer.load_state_dict``)."""
+        when it does not fit ``opt`` (see ``ZeroBucketOptimizer.load_state_dict``). A state dict
+        in the trainable layout, or of an optimizer over the trainable params only, is read in
+        ``opt``'s own (see [Note: trainable layout])."""
+        state_dict = full_layout(opt, state_dict)
         if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), ShardedState):
             problems = group_problems(opt, [len(g["params"]) for g in state_dict.get("param_groups", [])])
             if problems:
@@ -177,6 +181,15 @@ def packed_groups(param_groups: list[dict], encode_values: bool) -> list[dict]:
         index += len(g["params"])
         groups.append(packed)
     return groups
+
+
+def state_dict_of(opt, state: Any) -> dict:
+    """``opt.state_dict()`` around ``state``: every param in its group, or only the trainable ones
+    with ``state_dict_params="trainable"`` (see [Note: trainable layout] in _statedict.py)."""
+    full = {"state": state, "param_groups": packed_groups(opt.param_groups, encode_values=False)}
+    if opt.state_dict_params == "trainable":
+        return trainable_layout(full, [p.requires_grad for p in opt.params])
+    return full
 
 
 def read_sharded(opt, comm: Comm, table: ParamTable, path) -> tuple[list[dict], Holdings, bool]:
@@ -290,10 +303,11 @@ def _cast(state: dict, p: torch.Tensor, group: dict, *, master: bool = False) ->
 
 
 def sharded_record(table: ParamTable, *, optimizer_class: str, shard: str, world_size: int,
-                   bucket_view: bool, param_groups: list[dict]) -> dict:
+                   bucket_view: bool, param_groups: list[dict], state_dict_params: str = "all") -> dict:
     """The commit record of a sharded checkpoint (see :mod:`hf_zero._sharded`)."""
     return {
         "optimizer_class": optimizer_class,
+        "state_dict_params": state_dict_params,
         "shard": shard,
         "world_size": world_size,
         "parameters_as_bucket_view": bucket_view,
@@ -317,6 +331,7 @@ def write_sharded(opt, comm: Comm, table: ParamTable, held: Holdings, path) -> N
     record = sharded_record(
         table, optimizer_class=class_name(opt.optimizer_class), shard=opt.shard, world_size=comm.world_size,
         bucket_view=opt.parameters_as_bucket_view, param_groups=packed_groups(opt.param_groups, encode_values=True),
+        state_dict_params=opt.state_dict_params,
     )
     _sharded.write(comm, path, held, table.checkpoint_labels(), record)
 

@@ -14,6 +14,7 @@ from ._codec import decode
 from ._engine import saved_storage_id, saved_tensor_reduce
 from ._sharded import Checkpoint, write_atomic
 from ._state import dtype_from_name
+from ._statedict import trainable_layout
 
 _CHUNK_BYTES = 16 << 20  # what write_plain_optimizer holds at a time
 
@@ -22,7 +23,9 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict:
     """The plain PyTorch optimizer state dict of a sharded checkpoint, on CPU.
 
     No process group needed. Loads into ``optimizer_class`` over the same params
-    (or into a :class:`ZeroBucketOptimizer` on any world size).
+    (or into a :class:`ZeroBucketOptimizer` on any world size); saved by an optimizer with
+    ``state_dict_params="trainable"`` (Trainer's ``zero_bucket``), it has the layout of one over
+    the params trainable at the save, as Trainer's own optimizer holds them.
     """
     with Checkpoint(path) as ckpt:
         state = {}
@@ -31,7 +34,15 @@ def consolidate_checkpoint(path: str | os.PathLike) -> dict:
             if st is not None:
                 state[j] = st
         groups = _param_groups(ckpt)
-    return {"state": state, "param_groups": groups}
+        return _as_saved(ckpt, {"state": state, "param_groups": groups})
+
+
+def _as_saved(ckpt: Checkpoint, state_dict: dict) -> dict:
+    """``state_dict`` in the layout the optimizer's own ``state_dict()`` has (see [Note: trainable
+    layout] in _statedict.py): every param, or only those trainable at the save."""
+    if ckpt.record.get("state_dict_params", "all") != "trainable":
+        return state_dict
+    return trainable_layout(state_dict, [bool(p["trainable"]) for p in ckpt.params])
 
 
 def _param_groups(ckpt: Checkpoint) -> list[dict]:
@@ -137,7 +148,7 @@ def write_plain_optimizer(path: str | os.PathLike, out: str | os.PathLike, *, ch
                 state[j] = st
             groups = _param_groups(ckpt)
             pickled = io.BytesIO()
-            _Pickler(pickled, protocol=2).dump({"state": state, "param_groups": groups})
+            _Pickler(pickled, protocol=2).dump(_as_saved(ckpt, {"state": state, "param_groups": groups}))
             z.writestr("archive/data.pkl", pickled.getvalue())
             z.writestr("archive/.format_version", "1")
             z.writestr("archive/byteorder", "little")  # safetensors stores little-endian
@@ -160,6 +171,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> str:
             f"optimizer       {rec['optimizer_class']}",
             f"world size      {rec['world_size']}",
             f"shard mode      {rec['shard']}",
+            f"state dict      {'trainable params only (frozen ones carried apart)' if rec.get('state_dict_params') == 'trainable' else 'every param'}",
             f"bucket view     {rec['parameters_as_bucket_view']}",
             f"params          {len(params)} ({sum(p['trainable'] for p in params)} trainable at save, "
             f"{len(with_state)} with state), {sum(math.prod(p['shape']) for p in params):,} elements",

@@ -27,15 +27,18 @@ from ._masters import check_choice
 from ._params import ParamTable, check_params
 from ._partition import Partition, all_holdings, rebuild
 from ._state import Holdings
+from ._statedict import STATE_DICT_PARAMS
 
 
 logger = logging.getLogger(__name__)
 
 
 def _checked_options(optimizer_class, overlap_with_ddp: bool, shard: str, grad_reduce: str, stage: int = 1,
-                     grad_accum_dtype: str = "auto") -> tuple[str, torch.dtype | None]:
+                     grad_accum_dtype: str = "auto", state_dict_params: str = "all") -> tuple[str, torch.dtype | None]:
     """Validate the constructor's options before anything changes; returns the resolved shard mode and
     stage 2's accumulation dtype (``_stage2.accumulate_dtype``)."""
+    if state_dict_params not in STATE_DICT_PARAMS:
+        raise ValueError(f"state_dict_params must be one of {STATE_DICT_PARAMS}, got {state_dict_params!r}")
     if stage not in (1, 2) or isinstance(stage, bool):
         raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (and gradients), got {stage!r}")
     if stage == 2 and grad_reduce == "all_reduce":
@@ -67,7 +70,7 @@ def _checked_options(optimizer_class, overlap_with_ddp: bool, shard: str, grad_r
 
 def _resolved_defaults(optimizer_class, param_groups: list[dict], defaults: dict) -> dict:
     """``optimizer_class``'s defaults with ``defaults`` applied (it validates them), set in every group."""
-    first = param_groups[0]["params"][0]
+    first = next(g["params"][0] for g in param_groups if g["params"])  # check_params: one group holds a param
     resolved = dict(optimizer_class([torch.zeros(1, dtype=first.dtype, device=first.device)], **defaults).defaults)
     for group in param_groups:
         for k, v in resolved.items():
@@ -140,6 +143,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             16-bit steps. fp16 params use a ``GradScaler`` under stage 2 only (fp32 shards). See ``_masters.py``.
         stage: ``2`` shards grads too (no DDP: :meth:`bind_module`, docs/stage2.md); default ``1``.
         grad_accum_dtype: stage 2's 16-bit grad shards: ``"fp32"`` (``"auto"``) or ``"param"`` (_stage2.py).
+        state_dict_params: ``"all"`` (default) or ``"trainable"``: state dicts list only params that require grad.
         **defaults: hyperparameters for ``optimizer_class``.
 
     Buffers are built at the first :meth:`step` and checked at every step. Every method
@@ -158,11 +162,12 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         grad_reduce: str = "auto",
         overlap_param_sync: bool | None = None,
         master_weights: bool | str = "auto",
-        stage: int = 1, grad_accum_dtype: str = "auto",
+        stage: int = 1, grad_accum_dtype: str = "auto", state_dict_params: str = "all",
         **defaults: Any,
     ):
         masters = check_choice(master_weights)
-        shard, accumulate = _checked_options(optimizer_class, overlap_with_ddp, shard, grad_reduce, stage, grad_accum_dtype)
+        shard, accumulate = _checked_options(optimizer_class, overlap_with_ddp, shard, grad_reduce, stage, grad_accum_dtype,
+                                             state_dict_params)
         self._ready = False
         with warnings.catch_warnings():
             warnings.simplefilter("error", UserWarning)  # torch only warns on duplicates
@@ -178,6 +183,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self.shard = shard
         self.parameters_as_bucket_view = bool(parameters_as_bucket_view)
         self.master_weights = masters
+        self.state_dict_params = state_dict_params
         self.rebuilds = 0
         self._comm = Comm(process_group)
         self._table = ParamTable(self.param_groups)
@@ -435,16 +441,13 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         """A dict a plain ``optimizer_class`` over the same params would return, except with masters: a 16-bit
         param's state is then fp32, plus ``"master_param"`` (docs/precision.md). Never a collective.
 
-        Complete on one rank or before any state exists; on several ranks, read it on the
-        rank :meth:`consolidate_state_dict` gathered to. Otherwise ``"state"`` is a
-        ``ShardedState`` handle that only this optimizer's :meth:`load_state_dict` accepts
-        (reading, pickling or saving it raises, naming the fix). After
-        :meth:`refer_to_sharded`, until the state changes: a small reference to that checkpoint.
+        Complete on one rank or before any state exists; on several ranks, read it on the rank
+        :meth:`consolidate_state_dict` gathered to. Otherwise ``"state"`` is a ``ShardedState`` handle that only this
+        optimizer's :meth:`load_state_dict` accepts (reading, pickling or saving it raises, naming the fix).
+        After :meth:`refer_to_sharded`, until the state changes: a small reference to that checkpoint.
         """
         state = self._lifecycle.state(self._comm.world_size, lambda: self.consolidate_state_dict(0))
-        if _sharded.is_reference(state):
-            return state
-        return {"state": state, "param_groups": _lifecycle.packed_groups(self.param_groups, encode_values=False)}
+        return state if _sharded.is_reference(state) else _lifecycle.state_dict_of(self, state)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full (PyTorch-format) state dict, the same on every rank (CPU is fine); each

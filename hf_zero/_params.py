@@ -25,11 +25,11 @@ def _is_dtensor(t: torch.Tensor) -> bool:
 
 def check_params(param_groups: list[dict]) -> None:
     """Reject what torch.optim accepts but sharding cannot handle, naming the param."""
+    if not any(group["params"] for group in param_groups):
+        raise ValueError("params: every param group is empty (an empty group is fine, as in torch, beside others)")
     seen = set()
     for gi, group in enumerate(param_groups):
         names = group.get("param_names") or [None] * len(group["params"])
-        if not group["params"]:
-            raise ValueError(f"param group {gi} is empty")
         for k, (p, name) in enumerate(zip(group["params"], names)):
             label = f"param {name or k} of group {gi} (shape {tuple(p.shape)})"
             if _is_dtensor(p):
@@ -105,6 +105,8 @@ class ParamTable:
         chosen = set()
         for p in parameters:
             i = self.index(p)
+            if i is None and p.grad is None:
+                continue  # as torch's clipping skips every param without a grad (a frozen one under PEFT)
             if i is None:
                 raise ValueError(f"{what}: a param of shape {tuple(p.shape)} is not one of this optimizer's params")
             if p.requires_grad:

@@ -215,6 +215,44 @@ def _remove_stale(path: str, token: str) -> None:
                 os.remove(os.path.join(path, entry))
 
 
+# [Note: confined records]
+# A commit record is read before any hash can be checked, and a checkpoint may come from
+# anyone: each file it names must be a plain name inside the checkpoint directory (no
+# separator, no "..", not absolute; after symlinks are resolved, still inside), and carry the
+# SHA-256 this hf_zero writes for every file, so nothing outside the directory is ever
+# opened and no file is read unchecked.
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def confined(directory: str, name: Any, record_path: str) -> str:
+    """The path of file ``name`` of the checkpoint in ``directory``, or ``ValueError`` naming it
+    when it is not a plain file name that resolves inside the directory (see [Note: confined records])."""
+    bad = (not isinstance(name, str) or not name or name in (".", "..") or os.path.isabs(name)
+           or "/" in name or os.sep in name or (os.altsep is not None and os.altsep in name) or "\0" in name)
+    if not bad:
+        full = os.path.join(directory, name)
+        root = os.path.realpath(directory)
+        bad = os.path.commonpath([root, os.path.realpath(full)]) != root or os.path.realpath(full) == root
+    if bad:
+        raise ValueError(
+            f"hf_zero: {record_path!r} names the file {name!r}, which is not a file of the directory "
+            f"{directory!r} (a path outside it, or a link leading out of it). A checkpoint names only files "
+            "of its own directory: this one was changed or comes from elsewhere; nothing was read"
+        )
+    return full
+
+
+def _recorded_sha256(entry: dict, full: str, record_path: str) -> str:
+    digest = entry.get("sha256")
+    if not (isinstance(digest, str) and _SHA256_RE.match(digest)):
+        raise ValueError(
+            f"hf_zero: the commit record {record_path!r} gives no SHA-256 for checkpoint file {full!r} (got "
+            f"{digest!r}); hf_zero records one for every file it writes, so the record was not written by this "
+            "hf_zero or was changed, and the file cannot be checked: nothing was read"
+        )
+    return digest
+
+
 @dataclass
 class _Piece:
     file: str
@@ -248,11 +286,10 @@ class Checkpoint:
         self.record = record
         self.params = record["params"]
         self.pieces: dict[int, list[_Piece]] = {}
-        # Checkpoints written before hashes were recorded carry no "sha256": they
-        # load with the size check only.
-        self._sha256 = {f["file"]: f.get("sha256") for f in record["files"]}
+        self._sha256 = {}
         for f in record["files"]:
-            full = os.path.join(self.path, f["file"])
+            full = confined(self.path, f.get("file"), record_path)
+            self._sha256[f["file"]] = _recorded_sha256(f, full, record_path)
             size = os.path.getsize(full) if os.path.isfile(full) else None
             if size != f["bytes"]:
                 found = "missing" if size is None else f"{size} bytes"
@@ -282,8 +319,7 @@ class Checkpoint:
         """The path of ``file``, its SHA-256 checked against the record (once)."""
         full = os.path.join(self.path, file)
         if file not in self._checked:
-            expected = self._sha256.get(file)
-            if expected is not None and file_sha256(full) != expected:
+            if file_sha256(full) != self._sha256[file]:
                 raise ValueError(
                     f"hf_zero: checkpoint file {full!r} does not match its commit record (SHA-256 differs): "
                     "it is corrupt or was changed after the save"

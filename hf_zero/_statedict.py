@@ -61,6 +61,114 @@ class ShardedState:
         return f"<ShardedState: {self._message}>"
 
 
+# [Note: trainable layout]
+# Trainer's own optimizers (adamw_torch, adamw_torch_fused, ...) are built over the params that
+# require grad when they are made, in two groups (decay, no decay) kept even when empty, while
+# the zero_bucket factory holds every param (a param frozen at build must still train once
+# unfrozen). So an optimizer built with ``state_dict_params="trainable"`` writes its
+# PyTorch-format state dicts in the layout of an optimizer over its trainable params: each group
+# lists only the params that require grad (numbered 0..T-1 in order; empty groups stay), and the
+# frozen params' state rides along under FROZEN_KEY, which torch's ``load_state_dict`` ignores:
+#     {"param_groups": [{"params": every param's id, frozen ones T..N-1, "param_names": ...}],
+#      "state": {frozen id: state}}
+# hf_zero's own load puts the two back together, so its resume stays exact (a frozen param's
+# moments included). A state dict without FROZEN_KEY whose groups hold exactly the params that
+# require grad now (what Trainer's adamw_torch writes) is read the same way: each saved param is
+# the next param of its group that requires grad; the frozen ones get no state.
+FROZEN_KEY = "hf_zero_frozen"
+STATE_DICT_PARAMS = ("all", "trainable")
+
+
+def trainable_layout(state_dict: dict, trainable: list[bool]) -> dict:
+    """``state_dict`` (every param listed, ``trainable[k]``: whether the ``k``-th in group order
+    requires grad) in the trainable layout (see [Note: trainable layout]); itself when every
+    param is trainable."""
+    groups = state_dict["param_groups"]
+    order = [j for g in groups for j in g["params"]]
+    if all(trainable):
+        return state_dict
+    flags = dict(zip(order, trainable))
+    numbered = [j for j in order if flags[j]] + [j for j in order if not flags[j]]
+    new_id = {j: n for n, j in enumerate(numbered)}
+    exposed, full = [], []
+    for g in groups:
+        keep = [k for k, j in enumerate(g["params"]) if flags[j]]
+        out = {}
+        for key, value in g.items():
+            out[key] = ([new_id[g["params"][k]] for k in keep] if key == "params"
+                        else [value[k] for k in keep] if key == "param_names" else value)
+        exposed.append(out)
+        whole = {"params": [new_id[j] for j in g["params"]]}
+        if "param_names" in g:
+            whole["param_names"] = list(g["param_names"])
+        full.append(whole)
+    state = state_dict["state"]
+    frozen: dict = {}
+    if not isinstance(state, ShardedState):
+        frozen = {new_id[j]: state[j] for j in order if not flags[j] and j in state}
+        state = {new_id[j]: state[j] for j in order if flags[j] and j in state}
+    return {"state": state, "param_groups": exposed, FROZEN_KEY: {"param_groups": full, "state": frozen}}
+
+
+def every_param(state_dict: dict) -> dict:
+    """A state dict in the trainable layout with every param listed again and numbered in group order,
+    as ``state_dict_params="all"`` has it, the frozen params' state back in ``"state"`` (see [Note:
+    trainable layout]); any other as it is."""
+    extra = state_dict.get(FROZEN_KEY)
+    if extra is None:
+        return state_dict
+    groups = state_dict["param_groups"]
+    if not (isinstance(extra, dict) and isinstance(extra.get("param_groups"), list)
+            and len(extra["param_groups"]) == len(groups) and isinstance(extra.get("state"), dict)):
+        raise ValueError(f"state_dict[{FROZEN_KEY!r}] must hold 'param_groups' (one per param group) and "
+                         "'state', as hf_zero writes it: the state dict was changed")
+    position = {j: n for n, j in enumerate(j for whole in extra["param_groups"] for j in whole["params"])}
+    merged = [{**{k: v for k, v in g.items() if k not in _NOT_HYPER},
+               **whole, "params": [position[j] for j in whole["params"]]}
+              for g, whole in zip(groups, extra["param_groups"])]
+    state = state_dict["state"]
+    if not isinstance(state, ShardedState):
+        both = {**state, **extra["state"]}
+        state = {position[j]: both[j] for j in position if j in both}
+    return {"state": state, "param_groups": merged}
+
+
+def full_layout(opt, state_dict: Any) -> Any:
+    """A loaded state dict in ``opt``'s own layout (every param of its groups listed): one in the
+    trainable layout put back together, one of an optimizer over ``opt``'s trainable params mapped
+    onto them (see [Note: trainable layout]); anything else as it is."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+        return state_dict
+    groups = state_dict["param_groups"]
+    if FROZEN_KEY in state_dict:
+        return every_param(state_dict)
+    mine = [len(g["params"]) for g in opt.param_groups]
+    trainable = _trainable_by_group(opt)
+    saved = [len(g["params"]) if isinstance(g, dict) and "params" in g else -1 for g in groups]
+    if saved == mine or saved != [len(t) for t in trainable]:
+        return state_dict
+    out = []
+    for g, wanted, first, n in zip(groups, trainable, _firsts(mine), mine):
+        ids = {i: j for i, j in zip(wanted, g["params"])}
+        names = dict(zip(wanted, g.get("param_names") or ()))
+        mapped = {k: v for k, v in g.items() if k not in _NOT_HYPER}
+        mapped["params"] = [ids.get(i, ("frozen", i)) for i in range(first, first + n)]  # never a saved id
+        if "param_names" in g:
+            mapped["param_names"] = [names.get(i, opt.param_names[i]) for i in range(first, first + n)]
+        out.append(mapped)
+    return {"state": state_dict["state"], "param_groups": out}
+
+
+def _firsts(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:k]) for k in range(len(sizes))]
+
+
+def _trainable_by_group(opt) -> list[list[int]]:
+    """Per param group, the indices of its params that require grad."""
+    sizes = [len(g["params"]) for g in opt.param_groups]
+    return [[i for i in range(first, first + n) if opt.params[i].requires_grad] for first, n in zip(_firsts(sizes), sizes)]
+
+
 def mismatch_error(what: str, problems: list[str]) -> ValueError:
     shown = problems[:_MAX_LISTED]
     more = len(problems) - len(shown)
@@ -75,10 +183,17 @@ def hyperparams(groups: list[dict]) -> list[dict]:
 
 def group_problems(opt, saved_sizes: list[int]) -> list[str]:
     mine = [len(g["params"]) for g in opt.param_groups]
+    trainable = [len(t) for t in _trainable_by_group(opt)]
+    why = ""
+    if trainable != mine:
+        why = (f" (the param groups hold {mine} params, {trainable} of them trainable now: a state dict loads when "
+               "its groups hold all of them, or exactly the trainable ones, as an optimizer over only the trainable "
+               "params such as Trainer's adamw_torch writes it; was it saved with another set of trainable or "
+               "frozen params?)")
     if len(saved_sizes) != len(mine):
-        return [f"{len(saved_sizes)} param groups saved, this optimizer has {len(mine)}"]
+        return [f"{len(saved_sizes)} param groups saved, this optimizer has {len(mine)}{why}"]
     return [
-        f"param group {gi}: {s} params saved, this optimizer has {m}"
+        f"param group {gi}: {s} params saved, this optimizer has {m}{why}"
         for gi, (s, m) in enumerate(zip(saved_sizes, mine))
         if s != m
     ]

@@ -47,7 +47,7 @@ def _export_weights(args) -> int:
         out = args.weights
     else:
         files = _export.write_directory(export, args.weights, max_shard)
-        out = os.path.join(args.weights, files[0] if len(files) == 1 else "model.safetensors.index.json")
+        out = os.path.join(args.weights, files[0] if len(files) == 1 else files[0].split("-")[0] + ".safetensors.index.json")
     first, *rest = export.summary(out)
     print(first)
     for line in rest:
@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("output", nargs="?", help="file to write (written atomically)")
     merge.add_argument("--weights", metavar="OUT",
                        help="instead write float32 model weights (as DeepSpeed's zero_to_fp32.py): each weight of the "
-                       "checkpoint's model files (model.safetensors or model.safetensors.index.json) from its fp32 "
+                       "checkpoint's model files (model.safetensors or model.safetensors.index.json, or a PEFT adapter's "
+                       "adapter_model.safetensors) from its fp32 "
                        "master where the optimizer state holds one that rounds to the saved weight, else the saved "
                        "weight upcast. OUT ending in .safetensors: one file (load_state_dict); else a directory "
                        "from_pretrained loads (weights, config.json with dtype float32, tokenizer files)")

@@ -65,3 +65,28 @@ def run(rank, world_size, *, output_dir, sharded):
 def run_both(rank, world_size, directory):
     return [run(rank, world_size, output_dir=os.path.join(directory, name), sharded=sharded)
             for name, sharded in (("plain", False), ("sharded", True))]
+
+
+def run_lora(rank, world_size, *, output_dir, optim="zero_bucket", bf16_adapters=False, resume=None, max_steps=3):
+    """A PEFT LoRA run of the tiny Llama: float32 (adapters float32 too), or bf16 with bf16
+    adapters (``bf16_adapters``: zero_bucket steps them through fp32 masters). Saves at step 2;
+    returns the trainable params at the end."""
+    from peft import LoraConfig, get_peft_model
+
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
+    base = tiny_llama() if bf16_adapters else tiny_llama().float()
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0),
+                           autocast_adapter_dtype=not bf16_adapters)
+    args = TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=2, max_steps=max_steps, save_strategy="steps", save_steps=2,
+        learning_rate=1e-2, optim=optim, train_sampling_strategy="sequential", logging_steps=1, report_to=[],
+        use_cpu=True, seed=0, disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+    trainer.train(resume_from_checkpoint=resume)
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def run_lora_many(rank, world_size, runs):
+    return [run_lora(rank, world_size, **kw) for kw in runs]

@@ -8,6 +8,7 @@ run resumed at step k has the same trainable set as an uninterrupted one.
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import torch
@@ -195,6 +196,7 @@ def run_trainer(
     reference=False,
     schedule=None,
     frozen_at_build=(),
+    frozen_re=None,
     resume=None,
     overflow=None,
     explicit_callback=False,
@@ -220,6 +222,8 @@ def run_trainer(
     ``sample_loss_on_rank0``: a callback's grad-mode forward on rank 0 alone after every step;
     ``predict_between_steps``: ``trainer.predict`` after steps 2 and 5 (``info``: the losses,
     the predictions). ``info`` also says which gradient path the optimizer took.
+    ``frozen_re``: params whose name it matches (re.search) are frozen at build, as ``frozen_at_build``
+    (name prefixes) freezes.
     """
     if overrides.pop("one_process_per_node", False):  # as if each rank ran on a node of its own
         os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -230,7 +234,7 @@ def run_trainer(
         model = model.float()
         overrides["fp16"] = True
     for name, p in model.named_parameters():
-        if name.startswith(tuple(frozen_at_build)):
+        if name.startswith(tuple(frozen_at_build)) or (frozen_re and re.search(frozen_re, name)):
             p.requires_grad_(False)
     if plain_module:
         model = PlainModule(model)

@@ -32,8 +32,11 @@ def _saved_weights(directory):
 def _plain_masters(optimizer_file):
     """name -> master_param of a consolidated optimizer state dict (the optimizer's own masters)."""
     sd = torch.load(optimizer_file, weights_only=True)
-    names = {i: n for g in sd["param_groups"] for i, n in zip(g["params"], g["param_names"])}
-    return {names[i]: st["master_param"] for i, st in sd["state"].items() if "master_param" in st}
+    # Trainer's layout: frozen params (their masters too) are carried under "hf_zero_frozen".
+    frozen = sd.get("hf_zero_frozen", {"param_groups": [], "state": {}})
+    names = {i: n for g in sd["param_groups"] + frozen["param_groups"] for i, n in zip(g["params"], g["param_names"])}
+    state = {**sd["state"], **frozen["state"]}
+    return {names[i]: st["master_param"] for i, st in state.items() if "master_param" in st}
 
 
 def _assert_export(weights, saved, masters, *, saved_wins=()):
@@ -351,10 +354,14 @@ def test_pointing_at_the_optimizer_file_or_folder(runs, tmp_path, capsys, target
         assert _export(capsys, runs / target, tmp_path / "optimizer.pt")[0] == 0
         merged = torch.load(tmp_path / "optimizer.pt", weights_only=True)
         direct = _offline.consolidate_checkpoint(runs / "sharded" / "checkpoint-2" / "hf_zero_optimizer")
-        assert merged["state"].keys() == direct["state"].keys() and len(merged["state"]) == 21
-        for i, st in direct["state"].items():
-            for key, v in st.items():
-                assert torch.equal(merged["state"][i][key], v), (i, key)
+        # Trainer's layout: the frozen param's state (its master too) is carried apart.
+        frozen, direct_frozen = merged["hf_zero_frozen"]["state"], direct["hf_zero_frozen"]["state"]
+        assert merged["state"].keys() == direct["state"].keys() and frozen.keys() == direct_frozen.keys()
+        assert len(merged["state"]) + len(frozen) == 21
+        for got, want in ((merged["state"], direct["state"]), (frozen, direct_frozen)):
+            for i, st in want.items():
+                for key, v in st.items():
+                    assert torch.equal(got[i][key], v), (i, key)
 
 
 @pytest.mark.slow

@@ -237,8 +237,10 @@ def test_bad_gradient_path_arguments_are_named():
     opt = ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW)
     with pytest.raises(TypeError, match="bind_ddp needs a torch.nn.parallel.DistributedDataParallel"):
         opt.bind_ddp(model)
+    stray = torch.nn.Parameter(torch.ones(2))
+    stray.grad = torch.ones(2)  # without a grad it is left out, as torch's clipping leaves it out
     with pytest.raises(ValueError, match="clip_grad_norm_: a param of shape"):
-        opt.clip_grad_norm_(1.0, parameters=[torch.nn.Parameter(torch.ones(2))])
+        opt.clip_grad_norm_(1.0, parameters=[stray])
 
 
 # -- fp16: GradScaler's skip decision agrees on every rank --------------------------------------

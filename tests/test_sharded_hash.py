@@ -44,27 +44,31 @@ def test_same_size_corruption_is_refused_naming_the_file(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "out.pt")
 
 
-@pytest.mark.reliability("Sharded checkpoint written before hashes were recorded (no sha256 field)",
-                         "still loads, with the size check only, equal to the saved state")
-def test_checkpoint_without_hashes_still_loads(tmp_path):
+@pytest.mark.reliability("Sharded checkpoint whose record names a file without a sha256 (or a malformed one)",
+                         "load_sharded, consolidate and inspect refuse it, naming the file; nothing is read")
+@pytest.mark.parametrize("digest", [None, "", "abc", 64 * "g"])
+def test_record_without_a_hash_is_refused_naming_the_file(tmp_path, capsys, digest):
     directory = str(tmp_path / "ck")
-    model, saved = saved_linear(directory)
+    model, _ = saved_linear(directory)
     record_path = os.path.join(directory, "hf_zero_optimizer.json")
     with open(record_path) as f:
         record = json.load(f)
-    for entry in record["files"]:
+    (entry,) = record["files"]
+    if digest is None:
         del entry["sha256"]
+    else:
+        entry["sha256"] = digest
     with open(record_path, "w") as f:
         json.dump(record, f)
 
-    plain = _offline.consolidate_checkpoint(directory)
-    expected = saved.state_dict()["state"]
-    assert set(plain["state"]) == set(expected)
-    for i, st in expected.items():
-        for key, v in st.items():
-            assert torch.equal(plain["state"][i][key], v), (i, key)
     opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW)
-    opt.load_sharded(directory)
-    for i, st in opt.state_dict()["state"].items():
-        for key, v in st.items():
-            assert torch.equal(v, expected[i][key]), (i, key)
+    with pytest.raises(ValueError, match=f"no SHA-256 for checkpoint file .*{entry['file']}"):
+        opt.load_sharded(directory)
+    assert opt.state_dict()["state"] == {}  # nothing was loaded
+    with pytest.raises(ValueError, match=f"no SHA-256 .*{entry['file']}"):
+        _offline.consolidate_checkpoint(directory)
+    assert main(["consolidate", directory, str(tmp_path / "out.pt")]) == 2
+    assert main(["inspect", directory]) == 2
+    err = capsys.readouterr().err
+    assert err.count(entry["file"]) == 2 and "SHA-256" in err
+    assert not os.path.exists(tmp_path / "out.pt")

@@ -16,6 +16,7 @@ from transformers.training_args import OptimizerNames
 
 import hf_zero
 from hf_zero import _offline
+from hf_zero._statedict import every_param
 from hf_zero.integrations import transformers as hf_tr
 from tests._dist import run_ranks
 from tests.hf_trainer_cases import BEFORE_5_2, run_counting_agreements, run_many, run_trainer_catching, tiny_bert
@@ -247,7 +248,9 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     # nowhere) made into a plain file is the reference's state dict.
     assert hf_tr.SHARDED_DIR in os.listdir(ckpt) and os.path.getsize(f"{ckpt}/optimizer.pt") < 2000
     _offline.write_plain_optimizer(os.path.join(ckpt, hf_tr.SHARDED_DIR), str(tmp_path / "plain.pt"))
-    saved = torch.load(str(tmp_path / "plain.pt"), weights_only=True)
+    # Trainer's layout (the params trainable at the save; the frozen ones' state carried apart) put
+    # back together is the state of torch AdamW over every param.
+    saved = every_param(torch.load(str(tmp_path / "plain.pt"), weights_only=True))
     want = torch.load(f"{main1}/checkpoint-4/optimizer.pt", weights_only=True)
     assert saved["state"].keys() == want["state"].keys() and len(saved["state"]) == len(initial)
     for i in want["state"]:
@@ -370,11 +373,11 @@ def test_trainer_sharded_checkpoints_resume_on_two_and_one_rank(tmp_path):
     assert marker["state"] == {} and marker["param_groups"] == []
     assert marker[_sharded.REFERENCE_KEY]["token"] == _sharded.token_at(shards) and marker[_sharded.REFERENCE_KEY]["step"] == 4
     assert os.path.getsize(os.path.join(ckpt, "optimizer.pt")) < 2000
-    full = _offline.consolidate_checkpoint(shards)
+    full = every_param(_offline.consolidate_checkpoint(shards))  # frozen params' state too (Trainer's layout)
     assert len(full["state"]) == len(initial) and all("exp_avg_sq" in st for st in full["state"].values())
     # The resumed 2-rank run wrote its final checkpoint sharded too; the 1-process one consolidated.
     assert _sharded.is_sharded_checkpoint(str(tmp_path / "resume2" / "checkpoint-7" / hf_tr.SHARDED_DIR))
-    final1 = torch.load(str(tmp_path / "resume1" / "checkpoint-7" / "optimizer.pt"), weights_only=True)
+    final1 = every_param(torch.load(str(tmp_path / "resume1" / "checkpoint-7" / "optimizer.pt"), weights_only=True))
     assert len(final1["state"]) == len(initial)
 
 
@@ -456,17 +459,19 @@ def test_one_agreement_all_reduce_per_trainer_step(tmp_path):
 
 
 def test_factory_with_a_decay_rule_selecting_no_param(tmp_path):
-    """A Trainer whose get_decay_parameter_names returns nothing gets one no-decay group."""
+    """A Trainer whose get_decay_parameter_names returns nothing: an empty decay group and a no-decay
+    group of every param, as Trainer's own optimizer has them (its checkpoints then fit each other's)."""
 
     class NoDecayTrainer(Trainer):
         def get_decay_parameter_names(self, model):
             return []
 
     model = tiny_bert()
-    trainer = NoDecayTrainer(model=model, args=_args(tmp_path, optim="zero_bucket", weight_decay=0.1))
-    opt = trainer.create_optimizer()
-    assert len(opt.param_groups) == 1 and opt.param_groups[0]["weight_decay"] == 0.0
-    assert len(opt.param_groups[0]["params"]) == len(list(model.parameters()))
+    opts = {optim: NoDecayTrainer(model=model, args=_args(tmp_path, optim=optim, weight_decay=0.1)).create_optimizer()
+            for optim in ("zero_bucket", "adamw_torch")}
+    for opt in opts.values():
+        assert [len(g["params"]) for g in opt.param_groups] == [0, len(list(model.parameters()))]
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
 
 
 # -- configurations hf_zero cannot serve -------------------------------------------------------

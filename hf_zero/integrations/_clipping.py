@@ -18,21 +18,27 @@ _ROUTED = "_hf_zero_clipping_routed"
 
 
 def _sharded_owner(optimizers, params):
-    """The reduce-scattering optimizer holding every param of ``params``; None when
-    none holds any. Raises when the params are split between it and others."""
+    """(the reduce-scattering optimizer holding the params of ``params`` that have a grad, its
+    params among them); (None, params) when none holds any. A param the optimizer does not hold
+    and that has no grad is left out, as torch's clipping leaves every param without a grad out
+    (PEFT: the optimizer holds the trainable params, the loop clips ``model.parameters()``).
+    Raises when params with a grad are split between it and others."""
     for opt in optimizers:
         if opt.grad_reduce != "reduce_scatter":
             continue
         held = [opt.gradient_path.param_index(p) is not None for p in params]
-        if all(held) and held:
-            return opt
-        if any(held):
+        if not any(held):
+            continue
+        foreign = [p for p, h in zip(params, held) if not h and p.grad is not None]
+        if foreign:
             raise ValueError(
                 "hf_zero: clip_grad_norm_/clip_grad_value_ got params of a ZeroBucketOptimizer with "
-                "grad_reduce='reduce_scatter' mixed with other params; clip each optimizer's params "
-                "separately (their grads are only valid in each rank's own ranges)"
+                f"grad_reduce='reduce_scatter' mixed with {len(foreign)} other param(s) that have a grad (the first "
+                f"of shape {tuple(foreign[0].shape)}); clip each optimizer's params separately (their grads are only "
+                "valid in each rank's own ranges)"
             )
-    return None
+        return opt, [p for p, h in zip(params, held) if h]
+    return None, params
 
 
 def route_clipping(accelerator, optimizers: Callable[[], list]) -> None:
@@ -43,7 +49,7 @@ def route_clipping(accelerator, optimizers: Callable[[], list]) -> None:
 
     def clip_grad_norm_(parameters, max_norm, norm_type=2):
         params = [parameters] if hasattr(parameters, "grad") else list(parameters)
-        opt = _sharded_owner(optimizers(), params)
+        opt, params = _sharded_owner(optimizers(), params)
         if opt is None:
             return clip_norm(params, max_norm, norm_type)
         accelerator.unscale_gradients()
@@ -51,7 +57,7 @@ def route_clipping(accelerator, optimizers: Callable[[], list]) -> None:
 
     def clip_grad_value_(parameters, clip_value_):
         params = [parameters] if hasattr(parameters, "grad") else list(parameters)
-        opt = _sharded_owner(optimizers(), params)
+        opt, params = _sharded_owner(optimizers(), params)
         if opt is None:
             return clip_value(params, clip_value_)
         accelerator.unscale_gradients()

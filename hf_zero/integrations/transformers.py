@@ -21,6 +21,7 @@ from transformers.optimization import Adafactor
 
 from .. import _offline, _sharded
 from .._optimizer import ZeroBucketOptimizer
+from .._statedict import FROZEN_KEY
 from . import OPTIM_MEMBER, OPTIM_NAME, _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp
 from ._refusals import refusal, unsupported
@@ -223,7 +224,10 @@ class ZeroBucketFactory:
 
     Builds Trainer-style decay / no-decay param groups over **all** params, frozen
     ones included (Trainer's own groups drop them, and a param missing from the
-    optimizer can never be trained after it is unfrozen).
+    optimizer can never be trained after it is unfrozen). Its state dicts have the
+    layout of Trainer's own optimizer (trainable params only, both groups even when one
+    is empty; ``state_dict_params="trainable"``), so a checkpoint resumes with
+    ``adamw_torch`` and back, frozen params' state kept for hf_zero's own resume.
     """
 
     def __call__(self, model: torch.nn.Module, *, weight_decay: float, **kwargs: Any) -> ZeroBucketOptimizer:
@@ -246,8 +250,8 @@ class ZeroBucketFactory:
             },
         ]
         local_accumulation = kwargs.pop("local_accumulation", None)
-        # A decay rule that selects every param or none leaves one group empty: drop it.
-        opt = ZeroBucketOptimizer([g for g in groups if g["params"]], **kwargs)
+        # Both groups stay, as in Trainer's: a decay rule that selects every param or none leaves one empty.
+        opt = ZeroBucketOptimizer(groups, state_dict_params="trainable", **kwargs)
         if local_accumulation is not None:  # for the bind the Accelerate wiring makes at prepare
             set_bind_options(opt, local_accumulation=local_accumulation)
         if trainer is not None:
@@ -561,17 +565,40 @@ def _serve_reference(optimizer, checkpoint: str, state_dict):
     (``--optim adamw_torch``) resuming a checkpoint whose optimizer.pt refers to sharded
     state gets the plain state dict built from those files (on CPU, as torch.load of a
     plain file would give it); hf_zero's own optimizer takes the reference."""
-    if ours(optimizer) is not None or not _sharded.is_reference(state_dict):
+    if ours(optimizer) is not None:
         return state_dict
+    if not _sharded.is_reference(state_dict):
+        return _fitting(optimizer, checkpoint, state_dict)
     token = _sharded.reference_info(state_dict)["token"]
     inside = os.path.join(checkpoint, SHARDED_DIR)
     for path in (inside, _sharded.reference_info(state_dict)["path"]):
         if _sharded.token_at(path) == token:
-            return _offline.consolidate_checkpoint(path)
+            return _fitting(optimizer, checkpoint, _offline.consolidate_checkpoint(path), hf_zero_state=True)
     raise ValueError(
         f"hf_zero: {os.path.join(checkpoint, _OPTIMIZER_FILE)} refers to sharded optimizer state (token {token}) "
         f"that is not in {inside!r}; make a plain file with `hf-zero consolidate DIR {_OPTIMIZER_FILE}` from the "
         "directory that holds it"
+    )
+
+
+def _fitting(optimizer, checkpoint: str, state_dict, *, hf_zero_state: bool = False):
+    """``state_dict``, or a ``ValueError`` saying why it cannot fit ``optimizer`` (torch would only
+    say that a group's size differs) when hf_zero wrote it (``hf_zero_state``, or it carries
+    frozen params' state or param names, which Trainer's own optimizers do not write)."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("param_groups"), list):
+        return state_dict
+    groups = state_dict["param_groups"]
+    ours_wrote = hf_zero_state or FROZEN_KEY in state_dict or any("param_names" in g for g in groups)
+    saved = [len(g.get("params", ())) for g in groups]
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    if not ours_wrote or saved == mine:
+        return state_dict
+    raise ValueError(
+        f"hf_zero: the optimizer state in {checkpoint!r} was saved by optim='{OPTIM_NAME}' with param groups of "
+        f"{saved} params, and this {type(optimizer).__name__} has {mine}: the run that saved it had other params "
+        "trainable (frozen params are not in Trainer's own optimizer), or it was saved by an hf_zero whose state "
+        f"dicts listed frozen params too. Resume with the trainable params of the save, or with optim='{OPTIM_NAME}', "
+        "which loads either layout"
     )
 
 
