@@ -347,7 +347,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     def bind_module(self, module: torch.nn.Module, *, bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
                     local_accumulation: bool = True):
-        """Stage 2, no DDP: broadcast ``module``'s params and buffers from rank 0 (buffers at each forward too, as DDP),
+        """Stage 2, no DDP: broadcast ``module``'s params and buffers from rank 0 (buffers after each syncing backward),
         reduce-scatter grads as the backward makes them, give it ``no_sync()`` (``local_accumulation=False``: one that
         does nothing: every backward reduces into the shards). Collective; see docs/stage2.md."""
         self._grad.bind_module(module, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,

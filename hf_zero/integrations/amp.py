@@ -4,9 +4,11 @@
 torch's GradScaler finds an optimizer's grads by walking ``optimizer.param_groups`` and
 reading ``p.grad``, in one method, ``_unscale_grads_``: ``unscale_`` (and so ``step``
 without an explicit ``unscale_``) calls it, and ``step`` (skip on inf) and ``update``
-(back off or grow the scale) read the found-inf record it returns. Under stage 2 every
-``p.grad`` is None after the backward, so the scaler would unscale nothing, record no
-inf check, and ``step`` would raise "No inf checks were recorded for this optimizer".
+(back off or grow the scale) read the found-inf record it returns. Under stage 2 ``p.grad``
+only stands in for the sharded grads after the backward (a NaN expanded to the param's
+shape: [Note: p.grad stands in for the shards] in _stage2.py), so the scaler's in-place
+unscale of it raises ("more than one element of the written-to tensor refers to a single
+memory location"); the grads it must unscale are the shards.
 
 torch's FSDP ``ShardedGradScaler`` is a subclass that overrides ``_unscale_grads_`` (for
 sharded grads) and all-reduces found_inf in ``unscale_``. hf_zero overrides the same one
@@ -46,8 +48,9 @@ def prepare_grad_scaler(scaler):
     optimizer steps (and ``opt.clip_grad_norm_`` clips after ``unscale_``) are unscaled, and an
     inf/NaN in any rank's grads skips the step on every rank and backs off every rank's scale.
     Other optimizers (stage 1 included) are unscaled by torch as before. Without it, torch's
-    GradScaler finds no grads (every ``p.grad`` is None under stage 2) and ``scaler.step``
-    raises ``AssertionError: No inf checks were recorded for this optimizer``.
+    GradScaler unscales the ``p.grad`` stand-ins of stage 2 in place, which raises
+    (``RuntimeError: unsupported operation: more than one element of the written-to tensor
+    ...``).
     See [Note: GradScaler over sharded grads]."""
     _compat.route_unscale(scaler, _unscale_sharded)
     return scaler
