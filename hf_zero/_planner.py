@@ -546,3 +546,72 @@ def run(args) -> dict:
         plot_report(report, args.plot)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return report
+
+
+# -- the ledger, predicted ---------------------------------------------------------------------------
+def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 1, optimizer: str = "adamw",
+                   shard: str = "flat", master_weights: bool = True, bucket_cap_mb: float = _DDP_BUCKET_CAP_MB,
+                   buckets: Sequence[Sequence[int]] | None = None, ddp_bucket_view: bool = True,
+                   shapes: Sequence[tuple[int, ...]] | None = None, rank: int | None = None) -> dict[str, Any]:
+    """What ``optimizer.memory_ledger()`` holds on the fullest rank in a steady step (after the first step,
+    between a backward and the step), per category ([Note: memory ledger] in _ledger.py), for ``specs`` (the
+    optimizer's params, frozen ones included) on ``world_size`` ranks. ``buckets``: the layout's buckets
+    (default: stage 2's plan, or DDP's cut in the params' reverse order under stage 1); ``shapes``: each
+    param's shape (needed by ``shard="param"`` with a factored optimizer); ``rank``: that rank's instead. Model states are predicted
+    (``model_states``, the sum); stage 2's reduce buckets as bounds (``bucket_bounds``): in use at most
+    ``MAX_IN_FLIGHT + 1`` of the largest buckets, the pool at most that many of the widest pooled one."""
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    cap = int(bucket_cap_mb * 2**20)
+    if buckets is None:
+        buckets = plan_buckets(specs, cap)
+    layout = plan_layout(specs, world_size=world_size, shard=shard, buckets=buckets)
+    size = {dt: torch.empty((), dtype=dt).element_size() for dt in {s.dtype for s in specs}}
+    in_buffers = {s.index for b in layout.buffers for s in b.slots}
+    params = sum(b.size * size[b.dtype] for b in layout.buffers) + sum(
+        s.numel * size[s.dtype] for i, s in enumerate(specs) if i not in in_buffers and s.numel)
+    trainable = sum(s.numel * size[s.dtype] for s in specs if s.trainable)
+    per_rank = []
+    for r in range(world_size):
+        state = masters = shards = 0
+        for pc in layout.pieces(r):
+            s = specs[pc.index]
+            half = master_weights and size[s.dtype] < 4
+            shape = shapes[pc.index] if shapes is not None and shard == "param" else (pc.numel,)
+            state += state_bytes(shape, pc.numel, optimizer=optimizer, itemsize=4 if half else size[s.dtype])
+            masters += 4 * pc.numel if half else 0
+        if stage == 2:
+            for b in layout.buffers:
+                end = max(s.offset + s.numel for s in b.slots)
+                shards += (min(b.bounds[r + 1], end) - min(b.bounds[r], end)) * size[b.dtype]
+        per_rank.append((state, masters, shards))
+    state, masters, shards = max(per_rank, key=sum) if rank is None else per_rank[rank]
+    out = {"params": params, "full_grads": 0 if stage == 2 or ddp_bucket_view else trainable,
+           "ddp_buckets": trainable if stage == 1 and world_size > 1 else 0, "grad_shards": shards,
+           "masters": masters, "optimizer_state": state}
+    out["model_states"] = sum(out.values())
+    if stage == 2:
+        widths = [max(s.offset + s.numel for s in b.slots) * size[b.dtype] for b in layout.buffers]
+        pooled = max((w for w, b in zip(widths, layout.buffers) if w <= cap or len(b.slots) > 1), default=0)
+        out["bucket_bounds"] = {"buckets_in_flight": sum(sorted(widths, reverse=True)[: MAX_IN_FLIGHT + 1]),
+                                "buckets_pooled": (MAX_IN_FLIGHT + 1) * pooled}
+    return out
+
+
+_OPTIMIZER_NAMES = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd", "adafactor": "adafactor"}
+
+
+def predict_for(opt) -> dict[str, Any] | None:
+    """:func:`predict_ledger` for a ``ZeroBucketOptimizer``'s params, options and current layout, on its rank
+    (None when its optimizer class is not one the planner knows: AdamW, Adam, SGD, Adafactor)."""
+    name = _OPTIMIZER_NAMES.get(opt.optimizer_class.__name__.lower())
+    layout = opt.gradient_path.layout
+    if name is None or layout is None:
+        return None
+    specs = [ParamSpec(p.numel(), p.dtype, str(p.device), p.requires_grad, opt.group_of(i))
+             for i, p in enumerate(opt.params)]
+    bucket_view = opt.gradient_path.ddp_bucket_view
+    return predict_ledger(specs, world_size=opt.world_size, stage=opt.gradient_path.stage, optimizer=name,
+                          shard=opt.shard, master_weights=opt.master_weights, buckets=layout.buckets,
+                          ddp_bucket_view=True if bucket_view is None else bucket_view,
+                          shapes=[tuple(p.shape) for p in opt.params], rank=opt.rank)

@@ -535,6 +535,7 @@ class Reducer:
         if not pooled:
             self._unpooled_bytes += nbytes
         self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.held_bucket_bytes)
+        self._pool.seen(self.bucket_bytes, self.bucket_bytes - self._unpooled_bytes)
 
     @property
     def held_bucket_bytes(self) -> int:
@@ -572,9 +573,9 @@ class Reducer:
             lo, hi = self._plan.owned[b]
             self._shards[b].add_(buf[lo:hi])
         self._written.add(b)
-        self._count_bucket(-buf.nbytes, pooled=base is not None)
         if base is not None:
             self._pool.give(base)
+        self._count_bucket(-buf.nbytes, pooled=base is not None)
         # gloo keeps a collective's work, and the bucket it sends, a while after it completes
         # ([Note: no Python on communication threads]): without this, every bucket of every
         # backward in the last second or two stays alive, a full set of grads per fast step.
@@ -597,9 +598,9 @@ class Reducer:
         while self._in_flight:
             self._finish(*self._in_flight.popleft())
         for buf, base, _ in self._filling.values():
-            self._count_bucket(-buf.nbytes, pooled=base is not None)
             if base is not None:
                 self._pool.give(base)
+            self._count_bucket(-buf.nbytes, pooled=base is not None)
         self._filling.clear()
         self._armed, self._since.agreed, self._pending, self._broken = False, None, set(), True
 
@@ -658,6 +659,18 @@ class Reducer:
         self.peak_bucket_bytes = self.held_bucket_bytes
 
 
+def memory(reducer: Reducer) -> dict[str, int]:
+    """This rank's grad shards and reduce buckets now ([Note: memory ledger] in _ledger.py): the buckets
+    in use (being filled or reduced, a grad reduced in its own storage included) and the pool's idle ones."""
+    return {"grad_shards": sum(s.nbytes for s in reducer._shards if s is not None),
+            "buckets_in_flight": reducer.bucket_bytes, "buckets_pooled": reducer._pool.idle_bytes()}
+
+
+def memory_peaks(reducer: Reducer, reset: bool = False) -> dict[str, int]:
+    """The most bytes of reduce buckets in use, and idle in the pool, since the last reset."""
+    return reducer._pool.peaks(reset)
+
+
 def _unscaled_non_finite(shards: list, inv_scale: torch.Tensor, device) -> torch.Tensor:
     """Multiply each shard by ``inv_scale``; 1.0 (float32, on ``device``) if any held an inf or NaN before."""
     flags = []
@@ -691,6 +704,8 @@ class _BucketPool:
     def __init__(self, keep: int):
         self.keep = keep
         self.held_bytes = 0  # every pooled tensor, free or in use
+        self._in_use = self._pooled_in_use = 0  # the reducer's buckets in use now, and those of the pool
+        self._peak_in_use = self._peak_idle = 0  # since the last peaks(reset=True)
         self._width: dict[tuple, int] = {}  # (dtype, device) -> elements of each pooled bucket
         self._free: dict[tuple, list[torch.Tensor]] = {}
 
@@ -719,6 +734,22 @@ class _BucketPool:
             base = torch.empty(width, dtype=dtype, device=device)
             self.held_bytes += base.nbytes
         return base[:numel], base
+
+    def seen(self, in_use: int, pooled_in_use: int) -> None:
+        """The reducer's buckets in use changed: ``in_use`` bytes now, ``pooled_in_use`` of them the pool's."""
+        self._in_use, self._pooled_in_use = in_use, pooled_in_use
+        self._peak_in_use = max(self._peak_in_use, in_use)
+        self._peak_idle = max(self._peak_idle, self.idle_bytes())
+
+    def idle_bytes(self) -> int:
+        """Pooled buckets not in use."""
+        return self.held_bytes - self._pooled_in_use
+
+    def peaks(self, reset: bool) -> dict[str, int]:
+        out = {"buckets_in_flight": self._peak_in_use, "buckets_pooled": max(self._peak_idle, self.idle_bytes())}
+        if reset:
+            self._peak_in_use, self._peak_idle = self._in_use, self.idle_bytes()
+        return out
 
     def give(self, base: torch.Tensor) -> None:
         """``base`` (from :meth:`take`) is free again: kept, or let go."""
