@@ -92,12 +92,15 @@ class Comm:
             raise TypeError(f"strategy must be a hf_zero._comm.Strategy, got {type(strategy).__name__}")
         self._strategy = strategy
 
-    def release_completed_works(self) -> None:
+    def release_completed_works(self, *, drop_scratch: bool = False) -> None:
         """Let go of the completed collectives' work objects now, and with them of the
         tensors they reference (gloo keeps them a while: [Note: no Python on communication
-        threads] in _works.py). Not collective."""
+        threads] in _works.py); ``drop_scratch``: the receive scratch too, unless a
+        reduce-scatter holds it (the next one allocates it again). Not collective."""
         if self._keep_works:
             let_go_completed()
+        if drop_scratch:
+            self._scratch.drop()
 
     def _pending(self, works: list, what: str, finish: Callable[[], Any] | None = None) -> Pending:
         if self._keep_works:
@@ -379,6 +382,13 @@ class Comm:
         """Bytes of reduce-scatter receive scratch held now (see [Note: reduce-scatter scratch])."""
         return self._scratch.nbytes
 
+    def scratch_peak(self, reset: bool = False) -> int:
+        """The most receive scratch held since the last reset (``reset``: start afresh after)."""
+        peak = max(self._scratch.peak, self._scratch.nbytes)
+        if reset:
+            self._scratch.peak = self._scratch.nbytes
+        return peak
+
     def all_reduce_mean_(self, buffer: torch.Tensor) -> Pending:
         """Average ``buffer`` over ranks in place (every element). Asynchronous: the
         :class:`Pending`'s ``wait()`` returns ``buffer``."""
@@ -458,6 +468,7 @@ class _Scratch:
     def __init__(self):
         self._store: dict[torch.device, torch.Tensor] = {}
         self._holder: Pending | None = None
+        self.peak = 0  # the most held since Comm.scratch_peak reset it
 
     def take(self, numel: int, dtype, device) -> torch.Tensor:
         """Room for ``numel`` elements, once the reduce-scatter holding it is finished. Kept between
@@ -472,10 +483,16 @@ class _Scratch:
             self._store.pop(device, None)  # room first: old and new never live together
             del store
             store = self._store[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.peak = max(self.peak, self.nbytes)
         return store[:nbytes].view(dtype)
 
     def lent_to(self, pending: Pending) -> None:
         self._holder = pending
+
+    def drop(self) -> None:
+        """Let the store go, unless a reduce-scatter holds it."""
+        if self._holder is None:
+            self._store = {}
 
     def returned(self) -> None:
         self._holder = None

@@ -512,7 +512,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
 def _ledger_of(opt: ZeroBucketOptimizer, reset_peaks: bool) -> MemoryLedger:
     now = _memory_now(opt)
-    ledger = MemoryLedger(**now, peaks={**opt._peaks.observe(now), **opt._grad.memory_peaks(reset_peaks)})
+    peaks = {**opt._peaks.observe(now), **opt._grad.memory_peaks(reset_peaks)}
+    peaks["receive_scratch"] = opt._comm.scratch_peak(reset_peaks)  # observed as it is taken
+    ledger = MemoryLedger(**now, peaks={k: v for k, v in peaks.items() if v})
     if reset_peaks:
         opt._peaks.reset()
     return ledger

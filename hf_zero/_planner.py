@@ -321,7 +321,79 @@ def plan(
         p["bytes_per_param"] = p["max_rank_bytes"] / total if total else 0.0
     report["references"] = _references(total, train_numel, world_size, dtype, optimizer,
                                        {**REFERENCES, **(REFERENCES_STAGE2 if stage == 2 else {})})
+    shapes = [p.shape for p in params]
+    report["ledger"] = predict_ledger(specs, world_size=world_size, stage=stage, optimizer=optimizer, shard=shards[0],
+                                      master_weights=masters, bucket_cap_mb=bucket_cap_mb, shapes=shapes)
+    report["ledger"]["shard"] = shards[0]
     return report
+
+
+def _parse_bytes(text: str, what: str) -> int:
+    """``24GiB``, ``24GB``, ``500MiB``, ``1.5TiB`` or plain bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)\s*", text or "", re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{what}: {text!r} is not a size; write e.g. 24GiB, 80GB or 512MiB")
+    unit = m.group(2).upper().rstrip("B")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    if unit not in scale:
+        raise ValueError(f"{what}: unknown unit in {text!r}; write e.g. 24GiB, 80GB or 512MiB")
+    return int(float(m.group(1)) * scale[unit])
+
+
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")  # a numbered block: transformer.h.3., model.layers.3.
+
+
+def fits(params: Sequence[NamedParam], *, world_size: int, device_memory: int, activations: int | None = None,
+         dtype: torch.dtype = torch.float32, master_weights: bool = True, bucket_cap_mb: float = _DDP_BUCKET_CAP_MB,
+         optimizer: str = "adamw") -> dict[str, Any]:
+    """Which of hf_zero stage 1, stage 2 or FSDP2 fits ``device_memory`` bytes per rank for ``params`` on
+    ``world_size`` ranks. Each option's bytes: model states as :func:`predict_ledger` predicts them, plus what
+    it holds besides at its peak: stage 1, one bucket of reduce-scatter scratch; stage 2, its reduce buckets
+    (``MAX_IN_FLIGHT + 1`` of the largest, a tied embedding's grad among them); FSDP2 (fp32 sharded params,
+    grads and AdamW state, a 16-bit model computing through ``MixedPrecisionPolicy``), the unsharded params
+    alive at once: all of them without resharding, else the root's and two blocks' (one computing, one
+    prefetched), blocks being the numbered modules. ``activations``: added to every option when given;
+    otherwise left out and said so. ``choice``: the first that fits, in that order (the least sharding first)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    specs = [ParamSpec(p.numel, dtype, "cuda", p.trainable) for p in params]
+    masters = master_weights and itemsize < 4
+    shapes = [p.shape for p in params]
+    cap = int(bucket_cap_mb * 2**20)
+    total = sum(p.numel for p in params)
+    train = sum(p.numel for p in params if p.trainable)
+    options: dict[str, dict] = {}
+    for stage in (1, 2):
+        led = predict_ledger(specs, world_size=world_size, stage=stage, optimizer=optimizer, master_weights=masters,
+                             bucket_cap_mb=bucket_cap_mb, shapes=shapes)
+        extra = led["bucket_bounds"]["buckets_in_flight"] if stage == 2 else min(cap, train * itemsize)
+        options[f"hf_zero_stage{stage}"] = {"model_states": led["model_states"], "transient": extra}
+    blocks: dict[str, int] = {}
+    for p in params:
+        m = _BLOCK.match(p.name)
+        blocks[m.group(1) if m else ""] = blocks.get(m.group(1) if m else "", 0) + p.numel
+    root = blocks.pop("", 0)
+    biggest = sorted(blocks.values(), reverse=True)[:2]
+    sharded = (4 * total + 4 * train + (8 if optimizer == "adamw" else 4) * train) / world_size
+    for name, unsharded in (("fsdp2_no_reshard", total), ("fsdp2_full_shard", root + sum(biggest))):
+        options[name] = {"model_states": int(sharded), "transient": unsharded * itemsize}
+    for o in options.values():
+        o["bytes"] = o["model_states"] + o["transient"] + (activations or 0)
+        o["fits"] = o["bytes"] <= device_memory
+    return {"device_memory": device_memory, "activations": activations, "options": options,
+            "choice": next((n for n, o in options.items() if o["fits"]), None),
+            "note": "activations included" if activations is not None else
+                    "activations not included: add --activation-memory (they depend on batch, sequence and checkpointing)"}
+
+
+def format_fits(f: dict) -> str:
+    """The ``--device-memory`` lines of ``hf-zero plan``."""
+    gib = 2**30
+    lines = ["", f"fits in {f['device_memory'] / gib:.2f} GiB per rank ({f['note']}):"]
+    for name, o in f["options"].items():
+        lines.append(f"  {name:<18} {o['bytes'] / gib:>8.2f} GiB  (model states {o['model_states'] / gib:.2f}, "
+                     f"buckets / unsharded params {o['transient'] / gib:.2f})  {'fits' if o['fits'] else 'does not fit'}")
+    lines.append(f"choice: {f['choice'] or 'none fits: more ranks, a 16-bit model, or fewer trainable params'}")
+    return "\n".join(lines)
 
 
 def _owned_bytes(shape, numel, optimizer, state_itemsize, masters) -> int:
@@ -514,6 +586,10 @@ def add_arguments(parser) -> None:
                         "bfloat16/float16)")
     parser.add_argument("--stage", type=int, choices=(1, 2), default=1,
                         help="2: gradients sharded too (ZeroBucketOptimizer(stage=2), docs/stage2.md)")
+    parser.add_argument("--device-memory", metavar="SIZE",
+                        help="say which of stage 1, stage 2 or FSDP2 fits SIZE per rank (e.g. 24GiB, 80GB)")
+    parser.add_argument("--activation-memory", metavar="SIZE",
+                        help="activations per rank to add for --device-memory (default: left out, and said so)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (docs/planner.md)")
     parser.add_argument("--plot", metavar="FILE.png", help="also write a bar chart of per-rank state")
 
@@ -524,6 +600,12 @@ def run(args) -> dict:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     if args.shard == "flat" and args.optimizer not in _ELEMENTWISE:
         raise ValueError(f"--shard flat needs an elementwise optimizer; {args.optimizer} is not one: use --shard param")
+    device = getattr(args, "device_memory", None)
+    device = None if device is None else _parse_bytes(device, "--device-memory")
+    acts = getattr(args, "activation_memory", None)
+    if acts is not None and device is None:
+        raise ValueError("--activation-memory: goes with --device-memory")
+    acts = None if acts is None else _parse_bytes(acts, "--activation-memory")
     if args.shard:
         shards = (args.shard,)
     else:
@@ -542,9 +624,14 @@ def run(args) -> dict:
                   dtype=DTYPES[args.dtype], backend=args.backend, model_name=args.model,
                   architecture=architecture, buffer_count=n_buffers, master_weights=args.master_weights,
                   stage=args.stage)
+    if device is not None:
+        report["fits"] = fits(params, world_size=args.world_size, device_memory=device, activations=acts,
+                              dtype=DTYPES[args.dtype], master_weights=args.master_weights.lower() != "false",
+                              optimizer=args.optimizer)
     if args.plot:
         plot_report(report, args.plot)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    text = format_report(report) + (format_fits(report["fits"]) if "fits" in report else "")
+    print(json.dumps(report, indent=2) if args.json else text)
     return report
 
 

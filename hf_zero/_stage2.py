@@ -579,7 +579,8 @@ class Reducer:
         # gloo keeps a collective's work, and the bucket it sends, a while after it completes
         # ([Note: no Python on communication threads]): without this, every bucket of every
         # backward in the last second or two stays alive, a full set of grads per fast step.
-        self.comm.release_completed_works()
+        # The receive scratch goes too once no bucket is in use (the backward's end): [Note: bucket pool].
+        self.comm.release_completed_works(drop_scratch=self.bucket_bytes == 0)
 
     def _end_of_backward(self) -> None:
         params = self._table().params
@@ -685,14 +686,17 @@ class _BucketPool:
     """Reduce buckets kept from one backward to the next.
 
     [Note: bucket pool]
-    A bucket allocated afresh in every backward costs its pages again each time (on the CPU
-    an allocation this large is mmapped and faulted in, and was zero-filled besides: most of
-    stage 2's extra time over stage 1, measured by torch.profiler on the e2e GPT-2). So the
-    buckets no wider than the cap come from a pool, all as wide as the widest such bucket of
-    the plan (one size fits every bucket), and go back to it when reduced. The pool keeps
-    at most ``keep`` free ones per (dtype, device): the buckets in flight plus the one being
-    filled, what a backward holds at once anyway, so between backwards a rank holds about
-    the reduce buckets the backward's peak already counted, never a gradient's worth. A
+    A bucket allocated afresh for every bucket of a backward costs its pages again each time
+    (on the CPU an allocation this large is mmapped and faulted in, and was zero-filled
+    besides: most of stage 2's extra time over stage 1, measured by torch.profiler on the e2e
+    GPT-2). So the buckets no wider than the cap come from a pool, all as wide as the widest
+    such bucket of the plan (one size fits every bucket), and go back to it when reduced. The
+    pool keeps at most ``keep`` free ones per (dtype, device): the buckets in flight plus the
+    one being filled, what a backward holds at once anyway. When the backward ends (no bucket
+    in use) the free ones are let go, and so is the reduce-scatters' receive scratch: between
+    backwards, through the next forward (where the activations peak), a rank holds no reduce
+    bucket, and each backward allocates at most ``keep`` of them (on CUDA from the caching
+    allocator, which can hand the same memory to the forward's activations meanwhile). A
     pooled bucket is dirty: only the slots a grad is copied into are written, so its gaps
     are zeroed when it is taken and the slots of grads that never came when it is launched.
     A bucket wider than the cap (one large param whose grad could not be reduced in its own
@@ -736,10 +740,14 @@ class _BucketPool:
         return base[:numel], base
 
     def seen(self, in_use: int, pooled_in_use: int) -> None:
-        """The reducer's buckets in use changed: ``in_use`` bytes now, ``pooled_in_use`` of them the pool's."""
+        """The reducer's buckets in use changed: ``in_use`` bytes now, ``pooled_in_use`` of them the pool's;
+        none in use (the backward's end): the free ones are let go."""
         self._in_use, self._pooled_in_use = in_use, pooled_in_use
         self._peak_in_use = max(self._peak_in_use, in_use)
         self._peak_idle = max(self._peak_idle, self.idle_bytes())
+        if in_use == 0:
+            self.held_bytes -= sum(t.nbytes for free in self._free.values() for t in free)
+            self._free = {}
 
     def idle_bytes(self) -> int:
         """Pooled buckets not in use."""
