@@ -24,7 +24,7 @@ import torch
 from ._layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
 from ._stage2 import MAX_IN_FLIGHT, plan_buckets
 
-SCHEMA = "hf_zero.plan/2"
+SCHEMA = "hf_zero.plan/3"  # 3: "ledger" (and "fits" with --device-memory)
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
 BACKENDS = ("nccl", "gloo")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
