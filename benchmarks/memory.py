@@ -219,6 +219,9 @@ def _train(rank: int, row: tuple, *, spec: dict, steps: int, batch: int, lr: flo
         out_row = {"params": params, "peak_bytes": _status_bytes("VmHWM"), "rss_before_train_bytes": rss_before,
                    "rss_before_model_bytes": rss_before_model, "optim_args": optim_args,
                    "checkpoints": sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))}
+        logged = next((e for e in trainer.state.log_history if "zero_memory_ledger" in e), None)
+        if logged is not None:  # ZeroBucketCallback's ledger after the first step, and the planner's prediction
+            out_row.update(ledger=logged["zero_memory_ledger"], ledger_predicted=logged["zero_memory_predicted"])
         if buckets.peak is not None:
             out_row.update(peak_bucket_bytes=buckets.peak, grad_bytes=sum(p.nbytes for p in model.parameters()
                                                                          if p.requires_grad))
