@@ -250,7 +250,7 @@ def _warn_copy_of_grads(ddp) -> None:
         f"keeps a second copy of the gradients: {nbytes / 2**20:.1f} MiB on each rank "
         f"({nbytes / max(count, 1):.1f} bytes per param) that bucket views save. Build it with "
         "DistributedDataParallel(model, gradient_as_bucket_view=True) (hf_zero's Trainer and Accelerate wiring does)",
-        UserWarning, stacklevel=3,
+        UserWarning, stacklevel=4,  # the caller of bind_ddp
     )
 
 
