@@ -514,6 +514,8 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
         ddp = mem.get("raw_ddp_adamw" if RAW_ROWS.get(name, ("float32",))[0] == "float32" else "raw_ddp_adamw_bf16")
         if "unexplained_bytes_per_rank" in m and ddp is not None:
             m["unexplained_vs_ddp"] = max(m["unexplained_bytes_per_rank"]) / max(ddp["unexplained_bytes_per_rank"])
+        if name in RAW_ROWS and "raw_ddp_adamw" in mem:  # the measure: the peak above the pre-model RSS
+            m["above_baseline_vs_ddp"] = max(m["above_baseline_per_rank"]) / max(mem["raw_ddp_adamw"]["above_baseline_per_rank"])
         base = mem.get("raw_ddp_adamw" if name in RAW_ROWS else "adamw_torch", {}).get("bytes_per_param")
         m["vs_adamw_torch"] = m["bytes_per_param"] / base if base else None
         without = mem.get(WITHOUT_SAVES.get(name))
@@ -543,11 +545,13 @@ def _raw_markdown(res: dict, rows: dict) -> list[str]:
     cfg, n = res["config"], res["config"].get("world_size", WORLD_SIZE)
     first = next(iter(rows.values()))
     lines = [f"Raw loops (no Trainer), N = {n}: per-rank peak resident memory (VmHWM, `MALLOC_MMAP_THRESHOLD_=65536`), "
-             f"params included; GPT-2 {first['params']:,} params, micro-batch 1, seq {cfg['seq']}, {cfg['steps']} AdamW "
+             f"params included; GPT-2 {first['params']:,} params, micro-batch {cfg.get('raw_batch', 1)}, seq "
+             f"{cfg.get('raw_seq', cfg['seq'])}, {cfg.get('raw_steps', cfg['steps'])} AdamW "
              "steps (torch's default kernel, lr 1e-5), clipped at 1.0. The mark is reset before every forward, "
              "backward and step; a phase's figure is its largest peak after the first optimizer step (rank 0).", "",
-             "| run | what | peak MiB (rank 0 / 1 / ...) | bytes / param | vs `raw_ddp_adamw` | analytic bytes / param "
-             "| forward / backward / step peak MiB | backward - forward MiB |", "|---|---|---|---|---|---|---|---|"]
+             "| run | what | peak MiB (rank 0 / 1 / ...) | bytes / param | vs `raw_ddp_adamw` | above the pre-model RSS: "
+             "MiB, bytes / param, vs `raw_ddp_adamw` | analytic bytes / param "
+             "| forward / backward / step peak MiB | backward - forward MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for name, m in rows.items():
         ph = m["steady_phase_peaks_per_rank"][0]
         acc = f"; accumulation {m['accumulation']}" + (", `no_sync()` but the last" if m["no_sync"] else
@@ -555,8 +559,11 @@ def _raw_markdown(res: dict, rows: dict) -> list[str]:
         vs = "-" if m["vs_adamw_torch"] is None else f"{m['vs_adamw_torch']:.2f}"
         formula = m["formula"]
         value = sum(m["breakdown"].values())
+        above = max(m["above_baseline_per_rank"])
+        vs_above = "-" if m.get("above_baseline_vs_ddp") is None else f"{m['above_baseline_vs_ddp']:.3f}"
         lines.append(f"| `{name}` | {m['what']}{acc} | {' / '.join(_mib(b) for b in m['peak_bytes_per_rank'])} | "
-                     f"{m['bytes_per_param']:.1f} | {vs} | {formula} = {value:.1f} | "
+                     f"{m['bytes_per_param']:.1f} | {vs} | {_mib(above)}, {above / m['params']:.1f}, {vs_above} | "
+                     f"{formula} = {value:.1f} | "
                      f"{_mib(ph['forward'])} / {_mib(ph['backward'])} / {_mib(ph['step'])} | "
                      f"{_mib(max(m['backward_over_forward_per_rank']))} |")
     lines.append("")
