@@ -71,6 +71,7 @@ RAW_ROWS = {
     "raw_ddp_view_adamw": ("float32", "ddp_view", 1, False),
     "raw_stage1_ddp_defaults": ("float32", "stage1_ddp_defaults", 1, False),
     "raw_stage1": ("float32", "stage1", 1, False),
+    "raw_stage1_all_reduce": ("float32", "stage1_all_reduce", 1, False),
     "raw_stage2": ("float32", "stage2", 1, False),
     "raw_fsdp2": ("float32", "fsdp2", 1, False),
     "raw_fsdp2_full": ("float32", "fsdp2_full", 1, False),
@@ -87,6 +88,8 @@ RAW_WHAT = {  # contender -> (what it is, what a bf16 model changes)
     "ddp_view": ("DDP `gradient_as_bucket_view=True` + AdamW", "the model in bf16, bf16 moments"),
     "stage1_ddp_defaults": ("hf_zero stage 1: DDP with its default options (a copy of the grads), reduce-scatter "
                             "comm hook", "fp32 masters"),
+    "stage1_all_reduce": ("hf_zero stage 1: DDP with `gradient_as_bucket_view=True`, DDP's own all-reduce (no hook)",
+                          "fp32 masters"),
     "stage1": ("hf_zero stage 1: DDP with `gradient_as_bucket_view=True`, reduce-scatter comm hook", "fp32 masters"),
     "stage2": ("hf_zero stage 2: `bind_module`, no DDP", "fp32 masters, bf16 grad shards"),
     "fsdp2": ("FSDP2 `fully_shard` per block and the root, `reshard_after_forward=False`",
@@ -94,7 +97,7 @@ RAW_WHAT = {  # contender -> (what it is, what a bf16 model changes)
     "fsdp2_full": ("FSDP2 `fully_shard` per block and the root, full shard (`reshard_after_forward=True`)",
                    "fp32 sharded params, `MixedPrecisionPolicy(param_dtype=bf16)`"),
 }
-HF_ZERO = ("stage1", "stage1_ddp_defaults", "stage2")  # contenders with a memory ledger
+HF_ZERO = ("stage1", "stage1_ddp_defaults", "stage1_all_reduce", "stage2")  # contenders with a memory ledger
 # a row with saves -> the same run without them (acceptance: every rank's peak at most 1.03x)
 WITHOUT_SAVES = {"zero_bucket_saves": "zero_bucket", "zero_bucket_saves_plain": "zero_bucket",
                  "zero_bucket_bf16_saves": "zero_bucket_bf16", "zero_bucket_bf16_saves_plain": "zero_bucket_bf16"}
@@ -254,10 +257,10 @@ def _raw_contender(kind: str, model, dtype: str):
         ddp = DDP(model, gradient_as_bucket_view=kind == "ddp_view")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         return ddp, opt, lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m), None
-    if kind in ("stage1", "stage1_ddp_defaults"):
-        ddp = DDP(model, gradient_as_bucket_view=kind == "stage1")
+    if kind in ("stage1", "stage1_ddp_defaults", "stage1_all_reduce"):
+        ddp = DDP(model, gradient_as_bucket_view=kind != "stage1_ddp_defaults")
         opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, lr=1e-5,
-                                  grad_reduce="reduce_scatter")
+                                  grad_reduce="all_reduce" if kind == "stage1_all_reduce" else "reduce_scatter")
         opt.bind_ddp(ddp)
         return ddp, opt, opt.clip_grad_norm_, None
     if kind == "stage2":
@@ -388,7 +391,8 @@ def _precision_rank(rank: int, world_size: int, names: list[str], cfg: dict) -> 
 # -- the analytic breakdown (bytes per param per rank, what holds them) ----------------------------------
 RAW_FORMULA = {("ddp", "float32"): "20", ("ddp", "bfloat16"): "10", ("ddp_view", "float32"): "16",
                ("ddp_view", "bfloat16"): "8", ("stage1_ddp_defaults", "float32"): "12 + 8/N",
-               ("stage1_ddp_defaults", "bfloat16"): "6 + 12/N", ("fsdp2_full", "float32"): "16/N",
+               ("stage1_ddp_defaults", "bfloat16"): "6 + 12/N",
+               ("stage1_all_reduce", "float32"): "8 + 8/N", ("stage1_all_reduce", "bfloat16"): "4 + 12/N", ("fsdp2_full", "float32"): "16/N",
                ("fsdp2_full", "bfloat16"): "16/N", ("stage1", "float32"): "8 + 8/N",
                ("stage1", "bfloat16"): "4 + 12/N", ("stage2", "float32"): "4 + 12/N", ("stage2", "bfloat16"): "2 + 14/N",
                ("fsdp2", "float32"): "4 + 16/N", ("fsdp2", "bfloat16"): "2 + 16/N"}

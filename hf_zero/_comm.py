@@ -48,11 +48,8 @@ def default_strategy(backend: str | None) -> Strategy:
 
 
 class Comm:
-    """A process group (or none: world size 1) and the collectives hf_zero needs.
-
-    ``strategy``: which collectives to use (default: :func:`default_strategy` of the
-    group's backend), fixed here; :meth:`use_strategy` swaps it (tests take each path on gloo).
-    """
+    """A process group (or none: world size 1) and the collectives hf_zero needs. ``strategy``: which collectives
+    to use (default: :func:`default_strategy` of the group's backend); :meth:`use_strategy` swaps it."""
 
     def __init__(self, process_group=None, *, strategy: Strategy | None = None):
         if strategy is not None and not isinstance(strategy, Strategy):
@@ -93,14 +90,12 @@ class Comm:
         self._strategy = strategy
 
     def release_completed_works(self, *, drop_scratch: bool = False) -> None:
-        """Let go of the completed collectives' work objects now, and with them of the
-        tensors they reference (gloo keeps them a while: [Note: no Python on communication
-        threads] in _works.py); ``drop_scratch``: the receive scratch too, unless a
-        reduce-scatter holds it (the next one allocates it again). Not collective."""
+        """Let go of the completed collectives' work objects now, and of the tensors they reference (gloo keeps
+        them a while: [Note: no Python on communication threads] in _works.py); ``drop_scratch``: of the receive
+        scratch too, unless a reduce-scatter holds it. Not collective."""
         if self._keep_works:
             let_go_completed()
-        if drop_scratch:
-            self._scratch.drop()
+        self._scratch.drop(drop_scratch)
 
     def _pending(self, works: list, what: str, finish: Callable[[], Any] | None = None) -> Pending:
         if self._keep_works:
@@ -384,10 +379,7 @@ class Comm:
 
     def scratch_peak(self, reset: bool = False) -> int:
         """The most receive scratch held since the last reset (``reset``: start afresh after)."""
-        peak = max(self._scratch.peak, self._scratch.nbytes)
-        if reset:
-            self._scratch.peak = self._scratch.nbytes
-        return peak
+        return self._scratch.peak_since(reset)
 
     def all_reduce_mean_(self, buffer: torch.Tensor) -> Pending:
         """Average ``buffer`` over ranks in place (every element). Asynchronous: the
@@ -489,10 +481,16 @@ class _Scratch:
     def lent_to(self, pending: Pending) -> None:
         self._holder = pending
 
-    def drop(self) -> None:
-        """Let the store go, unless a reduce-scatter holds it."""
-        if self._holder is None:
+    def drop(self, wanted: bool = True) -> None:
+        """Let the store go (if ``wanted``), unless a reduce-scatter holds it."""
+        if wanted and self._holder is None:
             self._store = {}
+
+    def peak_since(self, reset: bool) -> int:
+        peak = max(self.peak, self.nbytes)
+        if reset:
+            self.peak = self.nbytes
+        return peak
 
     def returned(self) -> None:
         self._holder = None

@@ -579,8 +579,7 @@ class Reducer:
         # gloo keeps a collective's work, and the bucket it sends, a while after it completes
         # ([Note: no Python on communication threads]): without this, every bucket of every
         # backward in the last second or two stays alive, a full set of grads per fast step.
-        # The receive scratch goes too once no bucket is in use (the backward's end): [Note: bucket pool].
-        self.comm.release_completed_works(drop_scratch=self.bucket_bytes == 0)
+        self.comm.release_completed_works(drop_scratch=self.bucket_bytes == 0)  # [Note: bucket pool]
 
     def _end_of_backward(self) -> None:
         params = self._table().params
