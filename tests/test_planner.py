@@ -313,6 +313,7 @@ def _tiny_run(rank, world, stage, dtype):
     return ledger.as_dict(), [(n, tuple(p.shape)) for n, p in zip(names, model.parameters())]
 
 
+@pytest.mark.slow  # 2 gloo ranks per case
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_plan_predicts_the_ledger_of_a_real_run_within_ten_percent(stage, dtype):
