@@ -38,7 +38,7 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
   gloo point to point one: starting a reduce-scatter finishes the one holding the
   receive scratch, [Note: reduce-scatter scratch] in _comm.py). The first reduction of a
   bucket since the step sums this rank's range straight into its *shard* (the bucket's
-  owned range, in the bucket's dtype, kept until the step); a later one (accumulation)
+  owned range, in the bucket's dtype, allocated then, let go at the step); a later one (accumulation)
   adds its average into the shard when it finishes. A finished bucket goes back to the
   pool ([Note: bucket pool]). Buckets alive at once: those in flight plus
   those being filled, usually one or two, each at most ``bucket_cap_mb`` (a bucket
@@ -649,12 +649,12 @@ class Reducer:
         self._unscaled = True
 
     def step_taken(self) -> None:
-        """The step consumed the grads (or ``zero_grad``): the shards hold nothing now."""
+        """The step consumed the grads (or ``zero_grad``): the shards are let go (none held through the forward)."""
         if self._armed and graph_task_id() == -1:
             self._abandon()
-        self._broken = False
-        self._unscaled = False
+        self._broken = self._unscaled = False
         self._written.clear()
+        self._shards = [None] * len(self._shards)
         self._since = _SinceStep()
         self.peak_bucket_bytes = self.held_bucket_bytes
 

@@ -91,8 +91,8 @@ def test_each_category_is_what_the_design_says(stage, dtype, bucket_view, frozen
         for c in MODEL_STATES:
             assert led[c] == want[c], (c, led[c], want[c])
         assert led["model_states"] == want["model_states"]
-        for c in MODEL_STATES:  # after zero_grad(): p.grad let go
-            assert r["after"][c] == (0 if c == "full_grads" else want[c]), c
+        for c in MODEL_STATES:  # after the step and zero_grad(): p.grad let go, and stage 2's shards
+            assert r["after"][c] == (0 if c in ("full_grads", "grad_shards") else want[c]), c
         if stage == 1:
             # DDP's buckets: every trainable grad once; a DDP without bucket views holds them twice
             assert led["ddp_buckets"] == r["grad_bytes"]
