@@ -595,7 +595,7 @@ LEDGER_COLUMNS = {  # column -> the ledger (or count) categories it sums
 def _ledger_markdown(rows: dict) -> list[str]:
     """The ledger beside each process's measured peak: rank 0's bytes per holder (hf_zero's ledger, each
     category's peak; DDP and FSDP2 counted the same way), and what is left: activations and the allocator."""
-    lines = ["What rank 0 holds, MiB: hf_zero rows from `optimizer.memory_ledger()` (each category's peak over the run), "
+    lines = ["What rank 0 keeps, MiB: hf_zero rows from `optimizer.memory_ledger()` (each category's peak over the run), "
              "the others counted the same way before each step (FSDP2's unsharded params from their sizes); "
              "*unexplained* = the measured peak above the pre-model baseline minus that sum (activations, autograd, "
              "the allocator), and its ratio to DDP's of the same dtype.", "",
