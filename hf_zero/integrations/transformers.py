@@ -421,7 +421,7 @@ class ZeroBucketCallback(TrainerCallback):
         facts = self._facts(opt)
         self._rebuilds_logged = opt.rebuilds
         state.log_history.append({**facts, "step": state.global_step})
-        self._pending = {k: v for k, v in facts.items() if not isinstance(v, list)}
+        self._pending.update({k: v for k, v in facts.items() if not isinstance(v, list)})  # the ledger's too
         self._pending["zero_state_bytes_max"] = max(facts["zero_state_bytes_per_rank"])
         if state.is_world_process_zero:
             logger.info("hf_zero at step %d: %s", state.global_step, facts)
