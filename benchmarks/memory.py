@@ -68,9 +68,13 @@ MEMORY_ROWS = {
 # last micro-batch). Contenders: RAW_WHAT. Every one steps torch.optim.AdamW (default kernel), clips at 1.0.
 RAW_ROWS = {
     "raw_ddp_adamw": ("float32", "ddp", 1, False),
+    "raw_ddp_view_adamw": ("float32", "ddp_view", 1, False),
+    "raw_stage1_ddp_defaults": ("float32", "stage1_ddp_defaults", 1, False),
     "raw_stage1": ("float32", "stage1", 1, False),
+    "raw_stage1_all_reduce": ("float32", "stage1_all_reduce", 1, False),
     "raw_stage2": ("float32", "stage2", 1, False),
     "raw_fsdp2": ("float32", "fsdp2", 1, False),
+    "raw_fsdp2_full": ("float32", "fsdp2_full", 1, False),
     "raw_ddp_adamw_bf16": ("bfloat16", "ddp", 1, False),
     "raw_stage1_bf16": ("bfloat16", "stage1", 1, False),
     "raw_stage2_bf16": ("bfloat16", "stage2", 1, False),
@@ -81,11 +85,19 @@ RAW_ROWS = {
 }
 RAW_WHAT = {  # contender -> (what it is, what a bf16 model changes)
     "ddp": ("DDP (defaults) + AdamW", "the model in bf16, bf16 moments"),
+    "ddp_view": ("DDP `gradient_as_bucket_view=True` + AdamW", "the model in bf16, bf16 moments"),
+    "stage1_ddp_defaults": ("hf_zero stage 1: DDP with its default options (a copy of the grads), reduce-scatter "
+                            "comm hook", "fp32 masters"),
+    "stage1_all_reduce": ("hf_zero stage 1: DDP with `gradient_as_bucket_view=True`, DDP's own all-reduce (no hook)",
+                          "fp32 masters"),
     "stage1": ("hf_zero stage 1: DDP with `gradient_as_bucket_view=True`, reduce-scatter comm hook", "fp32 masters"),
     "stage2": ("hf_zero stage 2: `bind_module`, no DDP", "fp32 masters, bf16 grad shards"),
     "fsdp2": ("FSDP2 `fully_shard` per block and the root, `reshard_after_forward=False`",
               "fp32 sharded params, `MixedPrecisionPolicy(param_dtype=bf16)`"),
+    "fsdp2_full": ("FSDP2 `fully_shard` per block and the root, full shard (`reshard_after_forward=True`)",
+                   "fp32 sharded params, `MixedPrecisionPolicy(param_dtype=bf16)`"),
 }
+HF_ZERO = ("stage1", "stage1_ddp_defaults", "stage1_all_reduce", "stage2")  # contenders with a memory ledger
 # a row with saves -> the same run without them (acceptance: every rank's peak at most 1.03x)
 WITHOUT_SAVES = {"zero_bucket_saves": "zero_bucket", "zero_bucket_saves_plain": "zero_bucket",
                  "zero_bucket_bf16_saves": "zero_bucket_bf16", "zero_bucket_bf16_saves_plain": "zero_bucket_bf16"}
@@ -210,6 +222,9 @@ def _train(rank: int, row: tuple, *, spec: dict, steps: int, batch: int, lr: flo
         out_row = {"params": params, "peak_bytes": _status_bytes("VmHWM"), "rss_before_train_bytes": rss_before,
                    "rss_before_model_bytes": rss_before_model, "optim_args": optim_args,
                    "checkpoints": sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))}
+        logged = next((e for e in trainer.state.log_history if "zero_memory_ledger" in e), None)
+        if logged is not None:  # ZeroBucketCallback's ledger after the first step, and the planner's prediction
+            out_row.update(ledger=logged["zero_memory_ledger"], ledger_predicted=logged["zero_memory_predicted"])
         if buckets.peak is not None:
             out_row.update(peak_bucket_bytes=buckets.peak, grad_bytes=sum(p.nbytes for p in model.parameters()
                                                                          if p.requires_grad))
@@ -238,37 +253,64 @@ def _raw_contender(kind: str, model, dtype: str):
 
     from hf_zero import ZeroBucketOptimizer
 
-    if kind == "ddp":
-        ddp = DDP(model)
+    if kind in ("ddp", "ddp_view"):
+        ddp = DDP(model, gradient_as_bucket_view=kind == "ddp_view")
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         return ddp, opt, lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m), None
-    if kind == "stage1":
-        ddp = DDP(model, gradient_as_bucket_view=True)
+    if kind in ("stage1", "stage1_ddp_defaults", "stage1_all_reduce"):
+        ddp = DDP(model, gradient_as_bucket_view=kind != "stage1_ddp_defaults")
         opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, lr=1e-5,
-                                  grad_reduce="reduce_scatter")
+                                  grad_reduce="all_reduce" if kind == "stage1_all_reduce" else "reduce_scatter")
         opt.bind_ddp(ddp)
         return ddp, opt, opt.clip_grad_norm_, None
     if kind == "stage2":
         opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, lr=1e-5, stage=2)
         opt.bind_module(model)
         return model, opt, opt.clip_grad_norm_, opt.gradient_path.stage2
-    if kind == "fsdp2":
+    if kind in ("fsdp2", "fsdp2_full"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if dtype == "bfloat16" else MixedPrecisionPolicy()
+        reshard = kind == "fsdp2_full"
         for block in model.transformer.h:
-            fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
-        fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         return model, opt, lambda m: torch.nn.utils.clip_grad_norm_(model.parameters(), m), None
     raise ValueError(f"unknown raw contender {kind!r}")
 
 
-def _raw_train(rank: int, row: tuple, *, spec: dict, steps: int, seq: int) -> dict:
-    """A raw loop (no Trainer): ``steps`` optimizer steps of ``accumulation`` micro-batches of 1
-    sequence; the high-water mark reset before each forward, backward and step, so each phase's
+def counted_bytes(kind: str, model, opt, dtype: str) -> dict[str, int]:
+    """For a contender without a memory ledger (DDP, FSDP2): what it holds now, counted like the ledger
+    (each storage once): params (FSDP2: this rank's shards), ``p.grad``, DDP's buckets where ``p.grad`` is
+    not a view of them, optimizer state, and FSDP2's unsharded params while they are alive (not counted
+    from tensors: every param in the compute dtype without resharding, else the root's and two blocks')."""
+    from hf_zero._ledger import storage_bytes
+
+    def local(t):
+        return None if t is None else (t.to_local() if hasattr(t, "to_local") else t)
+
+    params = list(model.parameters())
+    out = {"params": storage_bytes(local(p) for p in params),
+           "full_grads": storage_bytes(local(p.grad) for p in params),
+           "optimizer_state": storage_bytes(local(v) for st in opt.state.values() for v in st.values()
+                                            if isinstance(v, torch.Tensor))}
+    if kind == "ddp":  # DDP's buckets, a second copy of the grads
+        out["ddp_buckets"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    if kind.startswith("fsdp2"):
+        w = 2 if dtype == "bfloat16" else 4
+        blocks = [sum(p.numel() for p in b.parameters()) for b in model.transformer.h]
+        total = sum(p.numel() for p in params)
+        out["unsharded_params"] = w * (total if kind == "fsdp2" else total - sum(blocks) + 2 * max(blocks))
+    return out
+
+
+def _raw_train(rank: int, row: tuple, *, spec: dict, steps: int, seq: int, batch: int = 1) -> dict:
+    """A raw loop (no Trainer): ``steps`` optimizer steps of ``accumulation`` micro-batches of ``batch``
+    sequences; hf_zero's memory ledger (the peak of each category) or, for the others, the bytes counted
+    the same way before each step (:func:`counted_bytes`); the high-water mark reset before each forward, backward and step, so each phase's
     peak is its own (the run's peak is the largest of them)."""
     import contextlib
 
@@ -284,7 +326,8 @@ def _raw_train(rank: int, row: tuple, *, spec: dict, steps: int, seq: int) -> di
     largest_grad_bytes = max(p.numel() * (2 if dtype == "bfloat16" else 4) for p in model.parameters())
     module, opt, clip, reducer = _raw_contender(kind, model, dtype)
     g = torch.Generator().manual_seed(rank)
-    toks = torch.randint(0, spec["vocab_size"], (steps * accumulation, 1, seq), generator=g)
+    toks = torch.randint(0, spec["vocab_size"], (steps * accumulation, batch, seq), generator=g)
+    counted: dict = {}
     phases = {"forward": [], "backward": [], "step": []}
     buckets, losses = [], []
     rss_before = _status_bytes("VmRSS")
@@ -304,11 +347,17 @@ def _raw_train(rank: int, row: tuple, *, spec: dict, steps: int, seq: int) -> di
             losses.append(float(loss.detach()))
             del loss
         clip(1.0)
+        if kind not in HF_ZERO:  # what the contender holds with the grads whole: the peak of each, over steps
+            for k, v in counted_bytes(kind, model, opt, dtype).items():
+                counted[k] = max(counted.get(k, 0), v)
         opt.step()
         opt.zero_grad()
         phases["step"].append(_reset_peak())
     peak = max(peak, *(max(v) for v in phases.values()))
-    return {"params": params, "peak_bytes": peak, "rss_before_train_bytes": rss_before,
+    ledger = opt.memory_ledger().as_dict() if kind in HF_ZERO else None
+    if ledger is not None:  # the peaks since the optimizer was built: each category's most
+        counted = dict(ledger["peaks"])
+    return {"params": params, "peak_bytes": peak, "ledger": ledger, "counted_bytes": counted, "rss_before_train_bytes": rss_before,
             "rss_before_model_bytes": rss_before_model, "phase_peaks": phases, "grad_bytes": grad_bytes,
             "largest_grad_bytes": largest_grad_bytes, "peak_bucket_bytes": max(buckets, default=None),
             "losses": losses, "optim_args": None, "checkpoints": []}
@@ -319,7 +368,8 @@ def _memory_rank(rank: int, world_size: int, names: list[str], cfg: dict) -> dic
     spec = cfg["memory_model"]
     toks = torch.randint(0, spec["vocab_size"], (world_size * (cfg["steps"] + 1), cfg["seq"]), generator=g)
     data = [{"input_ids": t, "labels": t} for t in toks]
-    return {n: _raw_train(rank, RAW_ROWS[n], spec=spec, steps=cfg["steps"], seq=cfg["seq"]) if n in RAW_ROWS else
+    return {n: _raw_train(rank, RAW_ROWS[n], spec=cfg.get("raw_model", spec), steps=cfg.get("raw_steps", cfg["steps"]),
+                          seq=cfg.get("raw_seq", cfg["seq"]), batch=cfg.get("raw_batch", 1)) if n in RAW_ROWS else
             _train(rank, MEMORY_ROWS[n], spec=spec, steps=cfg["steps"], batch=1, lr=1e-5, seed=0, train_data=data,
                    output_dir=os.path.join(cfg["out_root"], n) if cfg.get("out_root") else None)
             for n in names}
@@ -339,7 +389,11 @@ def _precision_rank(rank: int, world_size: int, names: list[str], cfg: dict) -> 
 
 
 # -- the analytic breakdown (bytes per param per rank, what holds them) ----------------------------------
-RAW_FORMULA = {("ddp", "float32"): "20", ("ddp", "bfloat16"): "10", ("stage1", "float32"): "8 + 8/N",
+RAW_FORMULA = {("ddp", "float32"): "20", ("ddp", "bfloat16"): "10", ("ddp_view", "float32"): "16",
+               ("ddp_view", "bfloat16"): "8", ("stage1_ddp_defaults", "float32"): "12 + 8/N",
+               ("stage1_ddp_defaults", "bfloat16"): "6 + 12/N",
+               ("stage1_all_reduce", "float32"): "8 + 8/N", ("stage1_all_reduce", "bfloat16"): "4 + 12/N", ("fsdp2_full", "float32"): "16/N",
+               ("fsdp2_full", "bfloat16"): "16/N", ("stage1", "float32"): "8 + 8/N",
                ("stage1", "bfloat16"): "4 + 12/N", ("stage2", "float32"): "4 + 12/N", ("stage2", "bfloat16"): "2 + 14/N",
                ("fsdp2", "float32"): "4 + 16/N", ("fsdp2", "bfloat16"): "2 + 16/N"}
 
@@ -350,11 +404,15 @@ def breakdown(row: str, world_size: int) -> dict[str, float]:
     if row in RAW_ROWS:
         dtype, kind, _, _ = RAW_ROWS[row]
         w = 2 if dtype == "bfloat16" else 4
-        if kind == "ddp":  # DDP's defaults: gradient_as_bucket_view=False, its buckets a second copy of the grads
-            return {"params": w, "p.grad": w, "DDP buckets": w, "optimizer state": 2 * w}
+        if kind in ("ddp", "ddp_view"):  # DDP's defaults: gradient_as_bucket_view=False, its buckets a second copy
+            return {"params": w, "p.grad": w, **({"DDP buckets": w} if kind == "ddp" else {}), "optimizer state": 2 * w}
         if kind == "fsdp2":  # unsharded params live from the forward to the end of the backward
             return {"params": w, "sharded params": 4 / n, "grad shards": 4 / n, "optimizer state": 8 / n}
-        parts = {"params": w, "p.grad": w} if kind == "stage1" else {"params": w, "grad shards": w / n}
+        if kind == "fsdp2_full":  # one unit's unsharded params at a time (not counted here)
+            return {"sharded params": 4 / n, "grad shards": 4 / n, "optimizer state": 8 / n}
+        parts = {"params": w, "p.grad": w} if kind.startswith("stage1") else {"params": w, "grad shards": w / n}
+        if kind == "stage1_ddp_defaults":
+            parts["DDP buckets"] = w
         parts["optimizer state"] = 2 * 4 / n  # fp32 moments (bf16 models step fp32 masters)
         if w == 2:
             parts["fp32 masters"] = 4 / n
@@ -447,9 +505,21 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
                     max(b - f for b, f in zip(_steady(r["phase_peaks"]["backward"], acc),
                                               _steady(r["phase_peaks"]["forward"], acc))) for r in per_rank],
                 grad_bytes=per_rank[0]["grad_bytes"], largest_grad_bytes=per_rank[0]["largest_grad_bytes"],
+                counted_bytes_per_rank=[r.get("counted_bytes", {}) for r in per_rank],
+                explained_bytes_per_rank=[sum(r.get("counted_bytes", {}).values()) for r in per_rank],
+                ledger=per_rank[0].get("ledger"),
                 peak_bucket_bytes=max((r["peak_bucket_bytes"] or 0) for r in per_rank),
                 losses=per_rank[0]["losses"])
     for name, m in mem.items():
+        if "explained_bytes_per_rank" in m:  # what neither the ledger nor the count names: activations, allocator
+            m["unexplained_bytes_per_rank"] = [a - e for a, e in zip(m["above_baseline_per_rank"],
+                                                                     m["explained_bytes_per_rank"])]
+    for name, m in mem.items():
+        ddp = mem.get("raw_ddp_adamw" if RAW_ROWS.get(name, ("float32",))[0] == "float32" else "raw_ddp_adamw_bf16")
+        if "unexplained_bytes_per_rank" in m and ddp is not None:
+            m["unexplained_vs_ddp"] = max(m["unexplained_bytes_per_rank"]) / max(ddp["unexplained_bytes_per_rank"])
+        if name in RAW_ROWS and "raw_ddp_adamw" in mem:  # the issue's measure: the peak above the pre-model RSS
+            m["above_baseline_vs_ddp"] = max(m["above_baseline_per_rank"]) / max(mem["raw_ddp_adamw"]["above_baseline_per_rank"])
         base = mem.get("raw_ddp_adamw" if name in RAW_ROWS else "adamw_torch", {}).get("bytes_per_param")
         m["vs_adamw_torch"] = m["bytes_per_param"] / base if base else None
         without = mem.get(WITHOUT_SAVES.get(name))
@@ -479,11 +549,13 @@ def _raw_markdown(res: dict, rows: dict) -> list[str]:
     cfg, n = res["config"], res["config"].get("world_size", WORLD_SIZE)
     first = next(iter(rows.values()))
     lines = [f"Raw loops (no Trainer), N = {n}: per-rank peak resident memory (VmHWM, `MALLOC_MMAP_THRESHOLD_=65536`), "
-             f"params included; GPT-2 {first['params']:,} params, micro-batch 1, seq {cfg['seq']}, {cfg['steps']} AdamW "
+             f"params included; GPT-2 {first['params']:,} params, micro-batch {cfg.get('raw_batch', 1)}, seq "
+             f"{cfg.get('raw_seq', cfg['seq'])}, {cfg.get('raw_steps', cfg['steps'])} AdamW "
              "steps (torch's default kernel, lr 1e-5), clipped at 1.0. The mark is reset before every forward, "
              "backward and step; a phase's figure is its largest peak after the first optimizer step (rank 0).", "",
-             "| run | what | peak MiB (rank 0 / 1 / ...) | bytes / param | vs `raw_ddp_adamw` | analytic bytes / param "
-             "| forward / backward / step peak MiB | backward - forward MiB |", "|---|---|---|---|---|---|---|---|"]
+             "| run | what | peak MiB (rank 0 / 1 / ...) | bytes / param | vs `raw_ddp_adamw` | above the pre-model RSS: "
+             "MiB, bytes / param, vs `raw_ddp_adamw` | analytic bytes / param "
+             "| forward / backward / step peak MiB | backward - forward MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for name, m in rows.items():
         ph = m["steady_phase_peaks_per_rank"][0]
         acc = f"; accumulation {m['accumulation']}" + (", `no_sync()` but the last" if m["no_sync"] else
@@ -491,11 +563,15 @@ def _raw_markdown(res: dict, rows: dict) -> list[str]:
         vs = "-" if m["vs_adamw_torch"] is None else f"{m['vs_adamw_torch']:.2f}"
         formula = m["formula"]
         value = sum(m["breakdown"].values())
+        above = max(m["above_baseline_per_rank"])
+        vs_above = "-" if m.get("above_baseline_vs_ddp") is None else f"{m['above_baseline_vs_ddp']:.3f}"
         lines.append(f"| `{name}` | {m['what']}{acc} | {' / '.join(_mib(b) for b in m['peak_bytes_per_rank'])} | "
-                     f"{m['bytes_per_param']:.1f} | {vs} | {formula} = {value:.1f} | "
+                     f"{m['bytes_per_param']:.1f} | {vs} | {_mib(above)}, {above / m['params']:.1f}, {vs_above} | "
+                     f"{formula} = {value:.1f} | "
                      f"{_mib(ph['forward'])} / {_mib(ph['backward'])} / {_mib(ph['step'])} | "
                      f"{_mib(max(m['backward_over_forward_per_rank']))} |")
     lines.append("")
+    lines += _ledger_markdown(rows)
     by_dtype: dict = {}
     for name, m in rows.items():
         if m["accumulation"] == 1 and m["losses"]:
@@ -506,6 +582,38 @@ def _raw_markdown(res: dict, rows: dict) -> list[str]:
         lines += [f"Losses ({dtype}, rank 0, {len(ref)} micro-batches): {', '.join(f'`{r}`' for r, _ in runs)} agree "
                   f"to a relative {worst:.1e} (first: {', '.join(f'{x:.4f}' for x in ref[:3])}, ...).", ""]
     return lines
+
+
+LEDGER_COLUMNS = {  # column -> the ledger (or count) categories it sums
+    "params": ("params",), "grads (p.grad / DDP buckets)": ("full_grads", "ddp_buckets"), "grad shards": ("grad_shards",),
+    "reduce buckets (in use / pooled)": ("buckets_in_flight", "buckets_pooled"), "masters": ("masters",),
+    "optimizer state": ("optimizer_state",), "scratch": ("upcast_scratch", "receive_scratch", "consolidation"),
+    "FSDP2 unsharded params": ("unsharded_params",),
+}
+
+
+def _ledger_markdown(rows: dict) -> list[str]:
+    """The ledger beside each process's measured peak: rank 0's bytes per holder (hf_zero's ledger, each
+    category's peak; DDP and FSDP2 counted the same way), and what is left: activations and the allocator."""
+    lines = ["What rank 0 keeps, MiB: hf_zero rows from `optimizer.memory_ledger()` (each category's peak over the run), "
+             "the others counted the same way before each step (FSDP2's unsharded params from their sizes); "
+             "*unexplained* = the measured peak above the pre-model baseline minus that sum (activations, autograd, "
+             "the allocator), and its ratio to DDP's of the same dtype.", "",
+             "| run | " + " | ".join(LEDGER_COLUMNS) + " | counted | measured | unexplained | vs DDP's |",
+             "|---|" + "---|" * (len(LEDGER_COLUMNS) + 4)]
+    for name, m in rows.items():
+        if "counted_bytes_per_rank" not in m:
+            continue
+        c = m["counted_bytes_per_rank"][0]
+        cells = []
+        for cats in LEDGER_COLUMNS.values():
+            vals = [c.get(k, 0) for k in cats]
+            cells.append("-" if not any(vals) else " / ".join(_mib(v) for v in vals))
+        vs = m.get("unexplained_vs_ddp")
+        lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {_mib(m['explained_bytes_per_rank'][0])} | "
+                     f"{_mib(m['above_baseline_per_rank'][0])} | {_mib(m['unexplained_bytes_per_rank'][0])} | "
+                     f"{'-' if vs is None else f'{vs:.2f}'} |")
+    return lines + [""]
 
 
 def _checks_markdown(res: dict) -> list[str]:
@@ -667,7 +775,10 @@ def _measure(mem_rows: list[str], prec_rows: list[str], cfg: dict, *, one_spawn:
 
 
 FULL = {"memory_model": GPT2_124M, "seq": 64, "steps": 6, "precision_model": TINY_LM, "precision_steps": 200,
-        "lr": 1e-5, "seeds": [0], "timeout_s": 1800}
+        "lr": 1e-5, "seeds": [0], "timeout_s": 1800,
+        # the raw loops: GPT-2 124M, seq 128, 2 sequences per rank, 5 AdamW steps
+        "raw_model": GPT2_124M, "raw_seq": 128, "raw_batch": 2, "raw_steps": 5}
+SMALL_GPT2 = dict(vocab_size=8192, n_positions=256, n_embd=256, n_layer=4, n_head=4)  # --small: to develop with
 SMOKE = {"memory_model": SMOKE_LM, "seq": 16, "steps": 2, "precision_model": SMOKE_LM, "precision_steps": 3,
          "lr": 1e-5, "seeds": [0], "timeout_s": 240}
 
@@ -681,6 +792,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds of the precision rows (default 0)")
     parser.add_argument("--world-size", type=int, default=WORLD_SIZE, help=f"gloo ranks (default {WORLD_SIZE})")
     parser.add_argument("--smoke", action="store_true", help="tiny models, 2-3 steps, all rows in one spawn: for CI")
+    parser.add_argument("--raw", action="store_true", help="the raw-loop rows only (RAW_ROWS), unless --rows says")
+    parser.add_argument("--small", action="store_true",
+                        help=f"the raw loops on a small GPT-2 ({SMALL_GPT2}) instead of GPT-2 124M: minutes, not an hour")
     parser.add_argument("--out", default="bench_out/memory")
     parser.add_argument("--docs", default=None, help="rewrite this markdown file's memory section (figures beside it)")
     parser.add_argument("--render", metavar="RESULTS_JSON", nargs="+", default=None,
@@ -695,10 +809,12 @@ def main(argv=None) -> int:
         if args.world_size < 2:
             raise SystemExit(f"--world-size: at least 2 ranks, got {args.world_size}")
         cfg = dict(SMOKE if args.smoke else FULL, world_size=args.world_size)
+        if args.small:
+            cfg["raw_model"] = SMALL_GPT2
         for key, value in (("steps", args.steps), ("precision_steps", args.precision_steps), ("seeds", args.seeds)):
             if value is not None:
                 cfg[key] = value
-        rows = args.rows or [*MEMORY_ROWS, *RAW_ROWS, *PRECISION_ROWS]
+        rows = args.rows or ([*RAW_ROWS] if args.raw else [*MEMORY_ROWS, *RAW_ROWS, *PRECISION_ROWS])
         missing = trainer_stage2_missing()
         cfg["skipped"] = {r: f"Trainer stage 2 is not available: {missing}" for r in rows
                           if missing and "stage=2" in (MEMORY_ROWS.get(r, (None, None, None))[2] or "")}

@@ -48,11 +48,8 @@ def default_strategy(backend: str | None) -> Strategy:
 
 
 class Comm:
-    """A process group (or none: world size 1) and the collectives hf_zero needs.
-
-    ``strategy``: which collectives to use (default: :func:`default_strategy` of the
-    group's backend), fixed here; :meth:`use_strategy` swaps it (tests take each path on gloo).
-    """
+    """A process group (or none: world size 1) and the collectives hf_zero needs. ``strategy``: which collectives
+    to use (default: :func:`default_strategy` of the group's backend); :meth:`use_strategy` swaps it."""
 
     def __init__(self, process_group=None, *, strategy: Strategy | None = None):
         if strategy is not None and not isinstance(strategy, Strategy):
@@ -92,12 +89,13 @@ class Comm:
             raise TypeError(f"strategy must be a hf_zero._comm.Strategy, got {type(strategy).__name__}")
         self._strategy = strategy
 
-    def release_completed_works(self) -> None:
-        """Let go of the completed collectives' work objects now, and with them of the
-        tensors they reference (gloo keeps them a while: [Note: no Python on communication
-        threads] in _works.py). Not collective."""
+    def release_completed_works(self, *, drop_scratch: bool = False) -> None:
+        """Let go of the completed collectives' work objects now, and of the tensors they reference (gloo keeps
+        them a while: [Note: no Python on communication threads] in _works.py); ``drop_scratch``: of the receive
+        scratch too, unless a reduce-scatter holds it. Not collective."""
         if self._keep_works:
             let_go_completed()
+        self._scratch.drop(drop_scratch)
 
     def _pending(self, works: list, what: str, finish: Callable[[], Any] | None = None) -> Pending:
         if self._keep_works:
@@ -356,18 +354,8 @@ class Comm:
                 for k, (a, b) in enumerate(cuts):
                     for w in receiving[k] if k else ():  # the first piece's: Pending waited (twice would hang gloo)
                         w.wait()
-                    # Bitwise what DDP's all-reduce gives at 2 ranks, (a + b) / 2 = a / 2 + b / 2
-                    # (a one-pass lerp is within an ulp only: resuming on the all-reduce path
-                    # would then not replay a run exactly). In place, or into ``out``: a
-                    # temporary sum would fault in fresh pages. Each piece is divided while it
-                    # is still in cache.
-                    for i in range(world - 1):
-                        if i == 0 and into is not mine:
-                            _first_sum(into[a:b], mine[a:b], slots[k % 2, 0, : b - a], accumulate)
-                        else:
-                            into[a:b].add_(slots[k % 2, i, : b - a])
-                    if not early:
-                        into[a:b].div_(world)
+                    _sum_piece(into[a:b], None if into is mine else mine[a:b], slots[k % 2, :, : b - a],
+                               divide_by=1 if early else world, accumulate=accumulate)
                     if k + 2 < len(cuts):
                         receiving.append(receive(k + 2))
                         if self._keep_works:
@@ -382,6 +370,10 @@ class Comm:
     def scratch_bytes(self) -> int:
         """Bytes of reduce-scatter receive scratch held now (see [Note: reduce-scatter scratch])."""
         return self._scratch.nbytes
+
+    def scratch_peak(self, reset: bool = False) -> int:
+        """The most receive scratch held since the last reset (``reset``: start afresh after)."""
+        return self._scratch.peak_since(reset)
 
     def all_reduce_mean_(self, buffer: torch.Tensor) -> Pending:
         """Average ``buffer`` over ranks in place (every element). Asynchronous: the
@@ -462,6 +454,7 @@ class _Scratch:
     def __init__(self):
         self._store: dict[torch.device, torch.Tensor] = {}
         self._holder: Pending | None = None
+        self.peak = 0  # the most held since Comm.scratch_peak reset it
 
     def take(self, numel: int, dtype, device) -> torch.Tensor:
         """Room for ``numel`` elements, once the reduce-scatter holding it is finished. Kept between
@@ -476,10 +469,22 @@ class _Scratch:
             self._store.pop(device, None)  # room first: old and new never live together
             del store
             store = self._store[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.peak = max(self.peak, self.nbytes)
         return store[:nbytes].view(dtype)
 
     def lent_to(self, pending: Pending) -> None:
         self._holder = pending
+
+    def drop(self, wanted: bool = True) -> None:
+        """Let the store go (if ``wanted``), unless a reduce-scatter holds it."""
+        if wanted and self._holder is None:
+            self._store = {}
+
+    def peak_since(self, reset: bool) -> int:
+        peak = max(self.peak, self.nbytes)
+        if reset:
+            self.peak = self.nbytes
+        return peak
 
     def returned(self) -> None:
         self._holder = None
@@ -502,6 +507,23 @@ def _copied(out: torch.Tensor, mine: torch.Tensor, result, accumulate: bool = Fa
     else:
         out.copy_(mine)
     return result
+
+
+def _sum_piece(into: torch.Tensor, mine: torch.Tensor | None, received: torch.Tensor, *, divide_by: int,
+               accumulate: bool) -> None:
+    """One piece of the point-to-point reduce-scatter: the ``received`` rows (one per peer) summed into
+    ``into`` (this rank's range itself when ``mine`` is None, else ``out``, started from ``mine``), then
+    divided by ``divide_by``. Bitwise what DDP's all-reduce gives at 2 ranks, (a + b) / 2 = a / 2 + b / 2
+    (a one-pass lerp is within an ulp only: resuming on the all-reduce path would then not replay a run
+    exactly). In place, or into ``out``: a temporary sum would fault in fresh pages. Each piece is divided
+    while it is still in cache."""
+    for i in range(received.shape[0]):
+        if i == 0 and mine is not None:
+            _first_sum(into, mine, received[0], accumulate)
+        else:
+            into.add_(received[i])
+    if divide_by != 1:
+        into.div_(divide_by)
 
 
 def _first_sum(into: torch.Tensor, mine: torch.Tensor, other: torch.Tensor, accumulate: bool) -> None:

@@ -13,6 +13,7 @@ keeps the hook's state alive, which must not keep the optimizer alive.
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from typing import Callable
 
@@ -21,6 +22,7 @@ import torch
 from . import _scatter_hook, _stage2
 from ._comm import Comm
 from ._layout import Layout
+from ._ledger import storage_bytes
 from ._overlap import ParamSyncOverlap, Units
 
 GRAD_REDUCE = ("auto", "all_reduce", "reduce_scatter")
@@ -49,6 +51,7 @@ class GradientPath:
         self.overlap: ParamSyncOverlap | None = None
         self.stage = stage
         self.stage2 = _stage2.Reducer(comm, self._table, shard, accumulate_dtype) if stage == 2 else None
+        self.ddp_bucket_view: bool | None = None  # the bound DDP's gradient_as_bucket_view (None: none bound)
 
     def _table(self):
         return self._facts()()[0]
@@ -136,6 +139,24 @@ class GradientPath:
             )
         return grads.agree()
 
+    def memory(self, params: tuple[torch.Tensor, ...]) -> dict[str, int]:
+        """This rank's gradient bytes by holder ([Note: memory ledger] in _ledger.py): DDP's buckets (as many
+        bytes as the params it reduces), the ``p.grad`` that are not views of them, stage 2's shards and buckets."""
+        ddp, views = 0, set()
+        if self.ddp_bucket_view is not None and self.ddp_reduced is not None:
+            reduced = [p for p, r in zip(params, self.ddp_reduced) if r]
+            ddp = sum(p.numel() * p.element_size() for p in reduced)
+            if self.ddp_bucket_view:
+                views = {p.grad.untyped_storage().data_ptr() for p in reduced if p.grad is not None}
+        out = {"ddp_buckets": ddp, "full_grads": storage_bytes((p.grad for p in params), views)}
+        if self.stage2 is not None:
+            out.update(_stage2.memory(self.stage2))
+        return out
+
+    def memory_peaks(self, reset: bool = False) -> dict[str, int]:
+        """Stage 2's reduce buckets' peaks (in use, pooled idle) since the last reset; ``reset``: start afresh after."""
+        return {} if self.stage2 is None else _stage2.memory_peaks(self.stage2, reset)
+
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, allow_fp16: bool) -> None:
         """Stage 2: what ``torch.amp.GradScaler.unscale_`` does to an optimizer's grads, for this rank's shards:
         multiply them by ``inv_scale``, and set ``found_inf`` (GradScaler's 0-dim float32 flag) to 1 if any rank's
@@ -191,6 +212,9 @@ class GradientPath:
                 "model in DDP; call optimizer.bind_module(model) on the unwrapped model instead of bind_ddp"
             )
         self._attach_overlap(ddp.module, overlap_default, units)
+        self.ddp_bucket_view = bool(getattr(ddp, "gradient_as_bucket_view", False))
+        if not self.ddp_bucket_view:
+            _warn_copy_of_grads(ddp)
         if self.grad_reduce == "auto":
             self.grad_reduce = grad_reduce_default
         if self.grad_reduce == "reduce_scatter" and self.reducer is None and self.comm.world_size > 1:
@@ -210,6 +234,26 @@ class GradientPath:
                 self.grad_reduce = "all_reduce"
         if self.reducer is not None:
             self.reducer.agree_on_finite = grad_scaler
+
+
+_warned_copy = False
+
+
+def _warn_copy_of_grads(ddp) -> None:
+    """Once per process: a DDP built without ``gradient_as_bucket_view=True`` keeps the grads twice."""
+    global _warned_copy
+    if _warned_copy:
+        return
+    _warned_copy = True
+    reduced = [p for p in ddp.module.parameters() if p.requires_grad]
+    nbytes, count = sum(p.numel() * p.element_size() for p in reduced), sum(p.numel() for p in ddp.module.parameters())
+    warnings.warn(
+        f"hf_zero: bind_ddp: this DistributedDataParallel was built without gradient_as_bucket_view=True, so it "
+        f"keeps a second copy of the gradients: {nbytes / 2**20:.1f} MiB on each rank "
+        f"({nbytes / max(count, 1):.1f} bytes per param) that bucket views save. Build it with "
+        "DistributedDataParallel(model, gradient_as_bucket_view=True) (hf_zero's Trainer and Accelerate wiring does)",
+        UserWarning, stacklevel=4,  # the caller of bind_ddp
+    )
 
 
 def _refuse_needing_ddp(module: torch.nn.Module) -> None:

@@ -28,6 +28,7 @@ from . import _sharded
 from ._codec import class_name, decode, encode
 from ._comm import Comm
 from ._layout import plan_layout
+from ._ledger import state_bytes, tensors_in
 from ._masters import HALF_DTYPES, MASTER_KEY, needs_master
 from ._params import ParamTable
 from ._partition import piece_shape
@@ -121,6 +122,18 @@ class StateLifecycle:
     def parked_master_bytes(self) -> int:
         """Bytes of the fp32 masters among the parked holdings."""
         return sum(h.state[MASTER_KEY].nbytes for hs in self._parked.values() for h in hs if MASTER_KEY in h.state)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the parked state and masters ([Note: memory ledger] in _ledger.py)."""
+        parked = [h.state for hs in self._parked.values() for h in hs]
+        return {"optimizer_state": state_bytes(parked, MASTER_KEY), "masters": self.parked_master_bytes()}
+
+    def parked_tensors(self) -> list[torch.Tensor]:
+        return [v for hs in self._parked.values() for h in hs for v in h.state.values() if isinstance(v, torch.Tensor)]
+
+    def consolidated_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the consolidated copy held for ``state_dict()`` (none when there is none)."""
+        return tensors_in(self._consolidated)
 
     @property
     def pending(self) -> dict | None:

@@ -21,6 +21,7 @@ from . import _clip, _lifecycle, _sharded, _stage2
 from ._comm import Comm
 from ._grads import average_grads
 from ._layout import Layout, is_elementwise, plan_layout
+from ._ledger import CATEGORIES, MemoryLedger, Peaks, storage_bytes
 from ._lifecycle import StateLifecycle
 from ._gradpath import GRAD_REDUCE, GradientPath
 from ._masters import check_choice
@@ -122,22 +123,17 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     with a few whole-buffer collectives per step.
 
     Args:
-        params: tensors, ``(name, tensor)`` pairs or param groups. Include frozen
-            params: only those listed here can be trained after being unfrozen.
+        params: tensors, ``(name, tensor)`` pairs or param groups. Include frozen params: only those listed can be trained later.
         optimizer_class: the local optimizer, e.g. ``torch.optim.AdamW``.
-        process_group: the group to shard over (default: the world; world size 1
-            when torch.distributed is not initialized).
-        parameters_as_bucket_view: trainable params' ``.data`` are views into flat
-            buffers, so the sync moves whole buffers (default ``True``; torch's ``False``).
+        process_group: the group to shard over (default: the world; 1 without torch.distributed).
+        parameters_as_bucket_view: trainable params are views into flat buffers the sync moves whole (default ``True``).
         overlap_with_ddp: accepted for torch compatibility; only ``False`` is supported.
         shard: ``"flat"`` (equal ranges; elementwise optimizers: torch's exact classes, or one whose body
             says ``hf_zero_elementwise = True``), ``"param"`` (whole params; any) or ``"auto"`` (flat if so).
-        grad_reduce: ``"all_reduce"`` (DDP's own) or ``"reduce_scatter"`` (after
-            :meth:`bind_ddp`, grads go to their owners: DDP's bytes; clip with
-            :meth:`clip_grad_norm_`). ``"auto"`` (default): the integration's choice.
-        overlap_param_sync: sync params asynchronously after a step; the bound model's
-            forwards wait for it (else call :meth:`wait_param_sync`). ``None``: the
-            integration's choice (off by default).
+        grad_reduce: ``"all_reduce"`` (DDP's own) or ``"reduce_scatter"`` (after :meth:`bind_ddp`, grads go to
+            their owners: DDP's bytes; clip with :meth:`clip_grad_norm_`). ``"auto"`` (default): the integration's.
+        overlap_param_sync: sync params asynchronously after a step; the bound model's forwards wait for it
+            (else call :meth:`wait_param_sync`). ``None``: the integration's choice (off by default).
         master_weights: ``"auto"`` (default) or ``True``: bf16/fp16 params step through
             sharded fp32 masters, saved as state ``"master_param"``; ``False``: pure
             16-bit steps. fp16 params use a ``GradScaler`` under stage 2 only (fp32 shards). See ``_masters.py``.
@@ -146,9 +142,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         state_dict_params: ``"all"`` (default) or ``"trainable"``: state dicts list only params that require grad.
         **defaults: hyperparameters for ``optimizer_class``.
 
-    Buffers are built at the first :meth:`step` and checked at every step. Every method
-    that says *collective* must be called on all ranks. Integrations and the gradient
-    path use only the protocol in docs/architecture.md (tests/test_architecture.py).
+    Buffers are built at the first :meth:`step` and checked at every step. Every method that says *collective*
+    must be called on all ranks. Integrations use only the protocol in docs/architecture.md.
     """
 
     def __init__(
@@ -191,6 +186,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._reload_due = False  # a load happened: the next step rebuilds on every rank
         self._lifecycle = StateLifecycle()
         self._iteration = _Iteration()
+        self._peaks = Peaks()  # [Note: memory ledger]
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
                                   shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view,
                                   accumulate_dtype=accumulate)
@@ -259,6 +255,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         elif closure is not None:
             kwargs = {"closure": closure, **kwargs}
         grads = self._grad.sharded_grads()  # checked before any collective: [Note: a forward without its backward]
+        self._peaks.observe(_memory_now(self))  # the grads whole (or sharded), before the step frees them
         self.wait_param_sync()
         self.ensure_partition()
         if not self._iteration.grads_averaged:
@@ -268,6 +265,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._iteration = _Iteration()
         self._grad.step_taken()
         self._lifecycle.stepped()
+        self._peaks.observe(_memory_now(self))
         return loss if loss is not None else local_loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -280,8 +278,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._ensure_partition(force=True)
 
     def ensure_partition(self) -> None:
-        """Check trainability and views on every rank and rebuild on every rank if any
-        rank needs it: one 24-byte agreement all-reduce. Collective; :meth:`step` calls it."""
+        """Rebuild on every rank if any rank's trainability or views changed: one 24-byte all-reduce. Collective."""
         self._ensure_partition(force=False)
 
     def _ensure_partition(self, force: bool) -> None:
@@ -416,11 +413,15 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._table.release_shared_storage()
 
     def stats(self) -> dict[str, Any]:
-        """Per-rank trainable elements owned, optimizer-state bytes and fp32 master bytes
-        (apart), and the rebuild count. Collective (one small object exchange)."""
+        """Per-rank owned elements, state and fp32 master bytes, rebuild count. Collective (a small exchange)."""
         owned = [] if self._partition is None else self._partition.owned()
         live = self._lifecycle.parked_master_bytes() + (0 if self._partition is None else self._partition.master_bytes())
         return _lifecycle.rank_stats(self._comm, self.rebuilds, owned, self._holdings(), live)
+
+    def memory_ledger(self, *, reset_peaks: bool = False) -> MemoryLedger:
+        """The bytes hf_zero holds on this rank now, by holder, with each one's peak since the last reset
+        ([Note: memory ledger] in ``_ledger.py``); ``reset_peaks``: start the peaks afresh after. Not a collective."""
+        return _ledger_of(self, reset_peaks)
 
     # -- state dict ------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0, *, device: str | torch.device | None = None) -> None:
@@ -513,3 +514,32 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if found is not None:
             self.load_sharded(found)
         return found
+
+
+def _ledger_of(opt: ZeroBucketOptimizer, reset_peaks: bool) -> MemoryLedger:
+    now = _memory_now(opt)
+    peaks = {**opt._peaks.observe(now), **opt._grad.memory_peaks(reset_peaks)}
+    peaks["receive_scratch"] = opt._comm.scratch_peak(reset_peaks)  # observed as it is taken
+    ledger = MemoryLedger(**now, peaks={k: v for k, v in peaks.items() if v})
+    if reset_peaks:
+        opt._peaks.reset()
+    return ledger
+
+
+def _memory_now(opt: ZeroBucketOptimizer) -> dict[str, int]:
+    """Bytes per ledger category on this rank now ([Note: memory ledger] in _ledger.py)."""
+    now = dict.fromkeys(CATEGORIES, 0)
+    params = opt._table.params
+    now["params"] = storage_bytes(params)
+    parts = [opt._lifecycle.memory(), opt._grad.memory(params)]
+    if opt._partition is not None:
+        parts.append(opt._partition.memory())
+    for part in parts:
+        for k, v in part.items():
+            now[k] += v
+    now["receive_scratch"] = opt._comm.scratch_bytes()
+    consolidated = opt._lifecycle.consolidated_tensors()
+    if consolidated:  # it shares what rank ``to`` held whole with the live state: only the rest is its own
+        live = [*params, *opt._lifecycle.parked_tensors(), *([] if opt._partition is None else opt._partition.tensors())]
+        now["consolidation"] = storage_bytes(consolidated, skip={t.untyped_storage().data_ptr() for t in live})
+    return now

@@ -37,6 +37,7 @@ from torch.profiler import record_function
 
 from ._comm import Comm
 from ._layout import Layout, Piece
+from ._ledger import state_bytes
 from ._masters import MASTER_KEY, Master, needs_master, split_saved
 from ._params import ParamTable
 from ._state import Holding, Holdings, Kind, kind_of, move, plan_moves, shape_as
@@ -185,6 +186,18 @@ class Partition:
     def master_bytes(self) -> int:
         """Bytes of the fp32 masters of this rank's pieces."""
         return sum(lp.master.nbytes for lp in self.pieces if lp.master is not None)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the local optimizer's state, the masters and the upcast scratch ([Note: memory ledger])."""
+        states = [] if self.inner is None else list(self.inner.state.values())
+        return {"optimizer_state": state_bytes(states, MASTER_KEY), "masters": self.master_bytes(),
+                "upcast_scratch": sum(t.nbytes for t in self._grad_scratch.values())}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The local optimizer's state tensors and the masters."""
+        states = [] if self.inner is None else list(self.inner.state.values())
+        return [v for st in states for v in st.values() if isinstance(v, torch.Tensor)] + \
+            [lp.master.tensor for lp in self.pieces if lp.master is not None]
 
     def bucket_bounds(self, composition: tuple[int, ...]) -> tuple[int, ...] | None:
         """Rank bounds of the buffer mirroring the DDP bucket of these params, or None."""

@@ -24,7 +24,7 @@ import torch
 from ._layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
 from ._stage2 import GRAD_ACCUM_DTYPES, MAX_IN_FLIGHT, accumulate_dtype, plan_buckets, shard_dtype
 
-SCHEMA = "hf_zero.plan/2"
+SCHEMA = "hf_zero.plan/3"  # 3: "ledger" (and "fits" with --device-memory)
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
 BACKENDS = ("nccl", "gloo")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -324,7 +324,80 @@ def plan(
         p["bytes_per_param"] = p["max_rank_bytes"] / total if total else 0.0
     report["references"] = _references(total, train_numel, world_size, dtype, optimizer,
                                        {**REFERENCES, **(REFERENCES_STAGE2 if stage == 2 else {})})
+    shapes = [p.shape for p in params]
+    report["ledger"] = predict_ledger(specs, world_size=world_size, stage=stage, optimizer=optimizer, shard=shards[0],
+                                      master_weights=masters, bucket_cap_mb=bucket_cap_mb, shapes=shapes)
+    report["ledger"]["shard"] = shards[0]
     return report
+
+
+def _parse_bytes(text: str, what: str) -> int:
+    """``24GiB``, ``24GB``, ``500MiB``, ``1.5TiB`` or plain bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)\s*", text or "", re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{what}: {text!r} is not a size; write e.g. 24GiB, 80GB or 512MiB")
+    unit = m.group(2).upper().rstrip("B")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}
+    if unit not in scale:
+        raise ValueError(f"{what}: unknown unit in {text!r}; write e.g. 24GiB, 80GB or 512MiB")
+    return int(float(m.group(1)) * scale[unit])
+
+
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")  # a numbered block: transformer.h.3., model.layers.3.
+
+
+def fits(params: Sequence[NamedParam], *, world_size: int, device_memory: int, activations: int | None = None,
+         dtype: torch.dtype = torch.float32, master_weights: bool = True, bucket_cap_mb: float = _DDP_BUCKET_CAP_MB,
+         optimizer: str = "adamw", grad_accum_dtype: str = "auto") -> dict[str, Any]:
+    """Which of hf_zero stage 1, stage 2 or FSDP2 fits ``device_memory`` bytes per rank for ``params`` on
+    ``world_size`` ranks. Each option's bytes: model states as :func:`predict_ledger` predicts them, plus what
+    it holds besides at its peak: stage 1, one bucket of reduce-scatter scratch; stage 2, its reduce buckets
+    (``MAX_IN_FLIGHT + 1`` of the largest, a tied embedding's grad among them); FSDP2 (fp32 sharded params,
+    grads and AdamW state, a 16-bit model computing through ``MixedPrecisionPolicy``), the unsharded params
+    alive at once: all of them without resharding, else the root's and two blocks' (one computing, one
+    prefetched), blocks being the numbered modules. ``activations``: added to every option when given;
+    otherwise left out and said so. ``choice``: the first that fits, in that order (the least sharding first)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    specs = [ParamSpec(p.numel, dtype, "cuda", p.trainable) for p in params]
+    masters = master_weights and itemsize < 4
+    shapes = [p.shape for p in params]
+    cap = int(bucket_cap_mb * 2**20)
+    total = sum(p.numel for p in params)
+    train = sum(p.numel for p in params if p.trainable)
+    options: dict[str, dict] = {}
+    for stage in (1, 2):
+        led = predict_ledger(specs, world_size=world_size, stage=stage, optimizer=optimizer, master_weights=masters,
+                             bucket_cap_mb=bucket_cap_mb, shapes=shapes,
+                             grad_accum_dtype=grad_accum_dtype if stage == 2 else "auto")
+        extra = led["bucket_bounds"]["buckets_in_flight"] if stage == 2 else min(cap, train * itemsize)
+        options[f"hf_zero_stage{stage}"] = {"model_states": led["model_states"], "transient": extra}
+    blocks: dict[str, int] = {}
+    for p in params:
+        m = _BLOCK.match(p.name)
+        blocks[m.group(1) if m else ""] = blocks.get(m.group(1) if m else "", 0) + p.numel
+    root = blocks.pop("", 0)
+    biggest = sorted(blocks.values(), reverse=True)[:2]
+    sharded = (4 * total + 4 * train + (8 if optimizer == "adamw" else 4) * train) / world_size
+    for name, unsharded in (("fsdp2_no_reshard", total), ("fsdp2_full_shard", root + sum(biggest))):
+        options[name] = {"model_states": int(sharded), "transient": unsharded * itemsize}
+    for o in options.values():
+        o["bytes"] = o["model_states"] + o["transient"] + (activations or 0)
+        o["fits"] = o["bytes"] <= device_memory
+    return {"device_memory": device_memory, "activations": activations, "options": options,
+            "choice": next((n for n, o in options.items() if o["fits"]), None),
+            "note": "activations included" if activations is not None else
+                    "activations not included: add --activation-memory (they depend on batch, sequence and checkpointing)"}
+
+
+def format_fits(f: dict) -> str:
+    """The ``--device-memory`` lines of ``hf-zero plan``."""
+    gib = 2**30
+    lines = ["", f"fits in {f['device_memory'] / gib:.2f} GiB per rank ({f['note']}):"]
+    for name, o in f["options"].items():
+        lines.append(f"  {name:<18} {o['bytes'] / gib:>8.2f} GiB  (model states {o['model_states'] / gib:.2f}, "
+                     f"buckets / unsharded params {o['transient'] / gib:.2f})  {'fits' if o['fits'] else 'does not fit'}")
+    lines.append(f"choice: {f['choice'] or 'none fits: more ranks, a 16-bit model, or fewer trainable params'}")
+    return "\n".join(lines)
 
 
 def _owned_bytes(shape, numel, optimizer, state_itemsize, masters) -> int:
@@ -520,6 +593,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--grad-accum-dtype", choices=GRAD_ACCUM_DTYPES, default="auto",
                         help="stage 2: the grad shards of 16-bit params in fp32 (auto, the optimizer's default) "
                         "or in the params' dtype (param)")
+    parser.add_argument("--device-memory", metavar="SIZE",
+                        help="say which of stage 1, stage 2 or FSDP2 fits SIZE per rank (e.g. 24GiB, 80GB)")
+    parser.add_argument("--activation-memory", metavar="SIZE",
+                        help="activations per rank to add for --device-memory (default: left out, and said so)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (docs/planner.md)")
     parser.add_argument("--plot", metavar="FILE.png", help="also write a bar chart of per-rank state")
 
@@ -530,6 +607,12 @@ def run(args) -> dict:
         raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
     if args.shard == "flat" and args.optimizer not in _ELEMENTWISE:
         raise ValueError(f"--shard flat needs an elementwise optimizer; {args.optimizer} is not one: use --shard param")
+    device = getattr(args, "device_memory", None)
+    device = None if device is None else _parse_bytes(device, "--device-memory")
+    acts = getattr(args, "activation_memory", None)
+    if acts is not None and device is None:
+        raise ValueError("--activation-memory: goes with --device-memory")
+    acts = None if acts is None else _parse_bytes(acts, "--activation-memory")
     if args.shard:
         shards = (args.shard,)
     else:
@@ -548,7 +631,88 @@ def run(args) -> dict:
                   dtype=DTYPES[args.dtype], backend=args.backend, model_name=args.model,
                   architecture=architecture, buffer_count=n_buffers, master_weights=args.master_weights,
                   stage=args.stage, grad_accum_dtype=args.grad_accum_dtype if args.stage == 2 else "auto")
+    if device is not None:
+        report["fits"] = fits(params, world_size=args.world_size, device_memory=device, activations=acts,
+                              dtype=DTYPES[args.dtype], master_weights=args.master_weights.lower() != "false",
+                              optimizer=args.optimizer, grad_accum_dtype=args.grad_accum_dtype if args.stage == 2 else "auto")
     if args.plot:
         plot_report(report, args.plot)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    text = format_report(report) + (format_fits(report["fits"]) if "fits" in report else "")
+    print(json.dumps(report, indent=2) if args.json else text)
     return report
+
+
+# -- the ledger, predicted ---------------------------------------------------------------------------
+def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 1, optimizer: str = "adamw",
+                   shard: str = "flat", master_weights: bool = True, bucket_cap_mb: float = _DDP_BUCKET_CAP_MB,
+                   buckets: Sequence[Sequence[int]] | None = None, ddp_bucket_view: bool = True,
+                   shapes: Sequence[tuple[int, ...]] | None = None, rank: int | None = None,
+                   grad_accum_dtype: str = "auto") -> dict[str, Any]:
+    """What ``optimizer.memory_ledger()`` holds on the fullest rank in a steady step (after the first step,
+    between a backward and the step), per category ([Note: memory ledger] in _ledger.py), for ``specs`` (the
+    optimizer's params, frozen ones included) on ``world_size`` ranks. ``buckets``: the layout's buckets
+    (default: stage 2's plan, or DDP's cut in the params' reverse order under stage 1); ``shapes``: each
+    param's shape (needed by ``shard="param"`` with a factored optimizer); ``rank``: that rank's instead;
+    ``grad_accum_dtype``: stage 2's option (the dtype of its 16-bit grad shards). Model states are predicted
+    (``model_states``, the sum); stage 2's reduce buckets as bounds (``bucket_bounds``): in use at most
+    ``MAX_IN_FLIGHT + 1`` of the largest buckets, the pool at most that many of the widest pooled one."""
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    cap = int(bucket_cap_mb * 2**20)
+    if buckets is None:
+        buckets = plan_buckets(specs, cap)
+    layout = plan_layout(specs, world_size=world_size, shard=shard, buckets=buckets)
+    size = {dt: torch.empty((), dtype=dt).element_size() for dt in {s.dtype for s in specs}}
+    in_buffers = {s.index for b in layout.buffers for s in b.slots}
+    params = sum(b.size * size[b.dtype] for b in layout.buffers) + sum(
+        s.numel * size[s.dtype] for i, s in enumerate(specs) if i not in in_buffers and s.numel)
+    trainable = sum(s.numel * size[s.dtype] for s in specs if s.trainable)
+    per_rank = []
+    for r in range(world_size):
+        state = masters = shards = 0
+        for pc in layout.pieces(r):
+            s = specs[pc.index]
+            half = master_weights and size[s.dtype] < 4
+            shape = shapes[pc.index] if shapes is not None and shard == "param" else (pc.numel,)
+            state += state_bytes(shape, pc.numel, optimizer=optimizer, itemsize=4 if half else size[s.dtype])
+            masters += 4 * pc.numel if half else 0
+        if stage == 2:
+            widen = accumulate_dtype(grad_accum_dtype, stage)
+            for b in layout.buffers:
+                end = max(s.offset + s.numel for s in b.slots)
+                itemsize = shard_dtype(widen, b.dtype).itemsize
+                shards += (min(b.bounds[r + 1], end) - min(b.bounds[r], end)) * itemsize
+        per_rank.append((state, masters, shards))
+    state, masters, shards = max(per_rank, key=sum) if rank is None else per_rank[rank]
+    out = {"params": params, "full_grads": 0 if stage == 2 or ddp_bucket_view else trainable,
+           "ddp_buckets": trainable if stage == 1 and world_size > 1 else 0, "grad_shards": shards,
+           "masters": masters, "optimizer_state": state}
+    out["model_states"] = sum(out.values())
+    if stage == 2:
+        widths = [max(s.offset + s.numel for s in b.slots) * size[b.dtype] for b in layout.buffers]
+        pooled = max((w for w, b in zip(widths, layout.buffers) if w <= cap or len(b.slots) > 1), default=0)
+        out["bucket_bounds"] = {"buckets_in_flight": sum(sorted(widths, reverse=True)[: MAX_IN_FLIGHT + 1]),
+                                "buckets_pooled": (MAX_IN_FLIGHT + 1) * pooled}
+    return out
+
+
+_OPTIMIZER_NAMES = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd", "adafactor": "adafactor"}
+
+
+def predict_for(opt) -> dict[str, Any] | None:
+    """:func:`predict_ledger` for a ``ZeroBucketOptimizer``'s params, options and current layout, on its rank
+    (None when its optimizer class is not one the planner knows: AdamW, Adam, SGD, Adafactor)."""
+    name = _OPTIMIZER_NAMES.get(opt.optimizer_class.__name__.lower())
+    layout = opt.gradient_path.layout
+    if name is None or layout is None:
+        return None
+    specs = [ParamSpec(p.numel(), p.dtype, str(p.device), p.requires_grad, opt.group_of(i))
+             for i, p in enumerate(opt.params)]
+    bucket_view = opt.gradient_path.ddp_bucket_view
+    reducer = opt.gradient_path.stage2
+    widened = reducer is not None and reducer.accumulate_dtype == torch.float32
+    return predict_ledger(specs, world_size=opt.world_size, stage=opt.gradient_path.stage, optimizer=name,
+                          shard=opt.shard, master_weights=opt.master_weights, buckets=layout.buckets,
+                          ddp_bucket_view=True if bucket_view is None else bucket_view,
+                          shapes=[tuple(p.shape) for p in opt.params], rank=opt.rank,
+                          grad_accum_dtype="auto" if reducer is None else ("fp32" if widened else "param"))

@@ -39,10 +39,10 @@ hooks every param of the optimizer:
   gloo point to point one: starting a reduce-scatter finishes the one holding the
   receive scratch, [Note: reduce-scatter scratch] in _comm.py). The first reduction of a
   bucket since the step sums this rank's range straight into its *shard* (the bucket's
-  owned range, kept until the step; float32 for a 16-bit bucket by default: [Note: what
-  stage 2 accumulates in]); a later one (accumulation) adds its average into the shard, as
-  it sums into a float32 shard, or when it finishes into one of the bucket's dtype. A
-  finished bucket goes back to the
+  owned range, allocated then and let go at the step; float32 for a 16-bit bucket by default:
+  [Note: what stage 2 accumulates in]); a later one (accumulation) adds its average into the
+  shard, as it sums into a float32 shard, or when it finishes into one of the bucket's dtype.
+  A finished bucket goes back to the
   pool ([Note: bucket pool]). Buckets alive at once: those in flight plus
   those being filled, usually one or two, each at most ``bucket_cap_mb`` (a bucket
   complete before an earlier one waits for it; a param larger than the cap is a bucket
@@ -624,6 +624,7 @@ class Reducer:
         if not pooled:
             self._unpooled_bytes += nbytes
         self.peak_bucket_bytes = max(self.peak_bucket_bytes, self.held_bucket_bytes)
+        self._pool.seen(self.bucket_bytes, self.bucket_bytes - self._unpooled_bytes)
 
     @property
     def held_bucket_bytes(self) -> int:
@@ -664,13 +665,13 @@ class Reducer:
             lo, hi = self._plan.owned[b]
             self._shards[b].add_(buf[lo:hi])
         self._written.add(b)
-        self._count_bucket(-buf.nbytes, pooled=base is not None)
         if base is not None:
             self._pool.give(base)
+        self._count_bucket(-buf.nbytes, pooled=base is not None)
         # gloo keeps a collective's work, and the bucket it sends, a while after it completes
         # ([Note: no Python on communication threads]): without this, every bucket of every
         # backward in the last second or two stays alive, a full set of grads per fast step.
-        self.comm.release_completed_works()
+        self.comm.release_completed_works(drop_scratch=self.bucket_bytes == 0)  # [Note: bucket pool]
 
     def _end_of_backward(self) -> None:
         params = self._table().params
@@ -693,9 +694,9 @@ class Reducer:
         while self._in_flight:
             self._finish(*self._in_flight.popleft())
         for buf, base, _ in self._filling.values():
-            self._count_bucket(-buf.nbytes, pooled=base is not None)
             if base is not None:
                 self._pool.give(base)
+            self._count_bucket(-buf.nbytes, pooled=base is not None)
         self._filling.clear()
         self._armed, self._since.agreed, self._pending, self._broken = False, None, set(), True
         _ARMED.discard(self)
@@ -746,13 +747,13 @@ class Reducer:
         self._unscaled = True
 
     def step_taken(self) -> None:
-        """The step consumed the grads (or ``zero_grad``): the shards hold nothing now."""
+        """The step consumed the grads (or ``zero_grad``): the shards are let go (none held through the forward)."""
         if self._armed and graph_task_id() == -1:
             self._abandon()
-        self._broken = False
-        self._unscaled = False
+        self._broken = self._unscaled = False
         self._stand_ins.clear()
         self._written.clear()
+        self._shards = [None] * len(self._shards)
         self._since = _SinceStep()
         self.peak_bucket_bytes = self.held_bucket_bytes
 
@@ -953,6 +954,18 @@ def _unscale(grads: ShardedGrads, shards: list, dtypes: list, inv_scale: torch.T
     found_inf.copy_(torch.maximum(found_inf, local.to(found_inf.device)))
 
 
+def memory(reducer: Reducer) -> dict[str, int]:
+    """This rank's grad shards and reduce buckets now ([Note: memory ledger] in _ledger.py): the buckets
+    in use (being filled or reduced, a grad reduced in its own storage included) and the pool's idle ones."""
+    return {"grad_shards": sum(s.nbytes for s in reducer._shards if s is not None),
+            "buckets_in_flight": reducer.bucket_bytes, "buckets_pooled": reducer._pool.idle_bytes()}
+
+
+def memory_peaks(reducer: Reducer, reset: bool = False) -> dict[str, int]:
+    """The most bytes of reduce buckets in use, and idle in the pool, since the last reset."""
+    return reducer._pool.peaks(reset)
+
+
 def _unscaled_non_finite(shards: list, inv_scale: torch.Tensor, device) -> torch.Tensor:
     """Multiply each shard by ``inv_scale``; 1.0 (float32, on ``device``) if any held an inf or NaN before."""
     flags = []
@@ -967,14 +980,17 @@ class _BucketPool:
     """Reduce buckets kept from one backward to the next.
 
     [Note: bucket pool]
-    A bucket allocated afresh in every backward costs its pages again each time (on the CPU
-    an allocation this large is mmapped and faulted in, and was zero-filled besides: most of
-    stage 2's extra time over stage 1, measured by torch.profiler on the e2e GPT-2). So the
-    buckets no wider than the cap come from a pool, all as wide as the widest such bucket of
-    the plan (one size fits every bucket), and go back to it when reduced. The pool keeps
-    at most ``keep`` free ones per (dtype, device): the buckets in flight plus the one being
-    filled, what a backward holds at once anyway, so between backwards a rank holds about
-    the reduce buckets the backward's peak already counted, never a gradient's worth. A
+    A bucket allocated afresh for every bucket of a backward costs its pages again each time
+    (on the CPU an allocation this large is mmapped and faulted in, and was zero-filled
+    besides: most of stage 2's extra time over stage 1, measured by torch.profiler on the e2e
+    GPT-2). So the buckets no wider than the cap come from a pool, all as wide as the widest
+    such bucket of the plan (one size fits every bucket), and go back to it when reduced. The
+    pool keeps at most ``keep`` free ones per (dtype, device): the buckets in flight plus the
+    one being filled, what a backward holds at once anyway. When the backward ends (no bucket
+    in use) the free ones are let go, and so is the reduce-scatters' receive scratch: between
+    backwards, through the next forward (where the activations peak), a rank holds no reduce
+    bucket, and each backward allocates at most ``keep`` of them (on CUDA from the caching
+    allocator, which can hand the same memory to the forward's activations meanwhile). A
     pooled bucket is dirty: only the slots a grad is copied into are written, so its gaps
     are zeroed when it is taken and the slots of grads that never came when it is launched.
     A bucket wider than the cap (one large param whose grad could not be reduced in its own
@@ -986,6 +1002,8 @@ class _BucketPool:
     def __init__(self, keep: int):
         self.keep = keep
         self.held_bytes = 0  # every pooled tensor, free or in use
+        self._in_use = self._pooled_in_use = 0  # the reducer's buckets in use now, and those of the pool
+        self._peak_in_use = self._peak_idle = 0  # since the last peaks(reset=True)
         self._width: dict[tuple, int] = {}  # (dtype, device) -> elements of each pooled bucket
         self._free: dict[tuple, list[torch.Tensor]] = {}
 
@@ -1014,6 +1032,26 @@ class _BucketPool:
             base = torch.empty(width, dtype=dtype, device=device)
             self.held_bytes += base.nbytes
         return base[:numel], base
+
+    def seen(self, in_use: int, pooled_in_use: int) -> None:
+        """The reducer's buckets in use changed: ``in_use`` bytes now, ``pooled_in_use`` of them the pool's;
+        none in use (the backward's end): the free ones are let go."""
+        self._in_use, self._pooled_in_use = in_use, pooled_in_use
+        self._peak_in_use = max(self._peak_in_use, in_use)
+        self._peak_idle = max(self._peak_idle, self.idle_bytes())
+        if in_use == 0:
+            self.held_bytes -= sum(t.nbytes for free in self._free.values() for t in free)
+            self._free = {}
+
+    def idle_bytes(self) -> int:
+        """Pooled buckets not in use."""
+        return self.held_bytes - self._pooled_in_use
+
+    def peaks(self, reset: bool) -> dict[str, int]:
+        out = {"buckets_in_flight": self._peak_in_use, "buckets_pooled": max(self._peak_idle, self.idle_bytes())}
+        if reset:
+            self._peak_in_use, self._peak_idle = self._in_use, self.idle_bytes()
+        return out
 
     def give(self, base: torch.Tensor) -> None:
         """``base`` (from :meth:`take`) is free again: kept, or let go."""

@@ -14,6 +14,7 @@ LAYERS = [
     "_engine",
     "_works",
     "_layout",
+    "_ledger",
     "_comm",
     "_params",
     "_grads",

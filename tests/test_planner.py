@@ -101,9 +101,9 @@ def test_json_report_schema(capsys, tmp_path):
         png = None
     assert cli.main(argv) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["schema"] == "hf_zero.plan/2"
+    assert report["schema"] == "hf_zero.plan/3"
     assert set(report) == {"schema", "model", "world_size", "optimizer", "backend", "per_rank_common",
-                           "unsharded", "plans", "master_weights", "references"}
+                           "unsharded", "plans", "master_weights", "references", "ledger"}
     assert set(report["per_rank_common"]) == {"param_bytes", "grad_bytes", "scratch_bytes"}
     assert report["master_weights"] is False  # float32 params never have masters
     assert set(report["model"]) == {"name", "architecture", "params", "param_tensors", "trainable_params",
@@ -286,3 +286,83 @@ def test_stage2_llama_3_8b_bytes_per_param_at_8_ranks(capsys, dtype, accum, anal
     paper = report["references"]["zero_paper_stage2"]
     assert (paper is None) if dtype == "float32" else paper["bytes_per_param"] == pytest.approx(2 + 14 / 8)
     assert "stage" not in planner.plan([planner.NamedParam("w", (4, 7), True)], world_size=2)
+
+
+# -- the planner against the ledger of a real run ------------------------------------------------------
+def _tiny_run(rank, world, stage, dtype):
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zero import ZeroBucketOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(512, 64), nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.LayerNorm(64),
+                          nn.Linear(64, 512)).to(dtype)
+    if stage == 1:
+        module = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=0.05)
+        opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, grad_reduce="reduce_scatter")
+        opt.bind_ddp(module)
+    else:
+        module = model
+        opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, stage=2)
+        opt.bind_module(model, bucket_cap_mb=0.05)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        ids = torch.randint(0, 512, (4, 8), generator=g)
+        module(ids).float().logsumexp(-1).mean().backward()
+        ledger = opt.memory_ledger()
+        opt.step()
+        opt.zero_grad()
+    names = [n for n, _ in model.named_parameters()]
+    return ledger.as_dict(), [(n, tuple(p.shape)) for n, p in zip(names, model.parameters())]
+
+
+@pytest.mark.slow  # 2 gloo ranks per case
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_plan_predicts_the_ledger_of_a_real_run_within_ten_percent(stage, dtype):
+    """``hf-zero plan``'s ledger (model states: params, grads, shards, masters, state) against what a real
+    2-rank run's ``memory_ledger()`` holds on its fullest rank, between a backward and the step."""
+    from tests._dist import run_ranks
+
+    out = run_ranks(_tiny_run, 2, stage, getattr(torch, dtype), timeout=120)
+    measured = max(led["model_states"] for led, _ in out)
+    params = [planner.NamedParam(n, shape, True) for n, shape in out[0][1]]
+    report = planner.plan(params, world_size=2, dtype=getattr(torch, dtype), stage=stage, shards=("flat",),
+                          backend="gloo", bucket_cap_mb=0.05)
+    predicted = report["ledger"]["model_states"]
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured)
+    for c in ("params", "masters", "grad_shards"):  # not a matter of the bucket plan: equal
+        assert report["ledger"][c] == max(led[c] for led, _ in out) or c == "grad_shards", c
+
+
+def test_fits_says_which_option_fits_and_what_it_leaves_out():
+    params = planner.load_model_params("gpt2")[0]
+    gib = 2**30
+    roomy = planner.fits(params, world_size=4, device_memory=80 * gib)
+    assert roomy["choice"] == "hf_zero_stage1" and "not included" in roomy["note"]
+    opts = roomy["options"]
+    # stage 2 holds less than stage 1, FSDP2 full shard least; every option's bytes add up
+    assert opts["hf_zero_stage2"]["bytes"] < opts["hf_zero_stage1"]["bytes"]
+    assert opts["fsdp2_full_shard"]["bytes"] < opts["fsdp2_no_reshard"]["bytes"]
+    for o in opts.values():
+        assert o["bytes"] == o["model_states"] + o["transient"]
+    tight = opts["hf_zero_stage2"]["bytes"] + 1
+    f = planner.fits(params, world_size=4, device_memory=tight)
+    assert f["choice"] == "hf_zero_stage2" and not f["options"]["hf_zero_stage1"]["fits"]
+    acts = planner.fits(params, world_size=4, device_memory=tight, activations=gib)
+    assert acts["choice"] == "fsdp2_full_shard" or acts["choice"] is None
+    assert acts["options"]["hf_zero_stage2"]["bytes"] == tight - 1 + gib and "included" in acts["note"]
+    none = planner.fits(params, world_size=4, device_memory=1)
+    assert none["choice"] is None
+
+
+def test_device_memory_option_and_bad_sizes(capsys):
+    assert cli.main(["plan", "--model", "gpt2", "--world-size", "4", "--device-memory", "1.5GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "fits in 1.50 GiB per rank (activations not included" in out and "choice: hf_zero_stage1" in out
+    for bad, what in ((["--device-memory", "lots"], "--device-memory: 'lots' is not a size"),
+                      (["--activation-memory", "1GiB"], "--activation-memory: goes with --device-memory")):
+        assert cli.main(["plan", "--model", "gpt2", "--world-size", "4", *bad]) == 2
+        assert what in capsys.readouterr().err
+    assert planner._parse_bytes("24GiB", "x") == 24 * 2**30 and planner._parse_bytes("80GB", "x") == 80 * 10**9

@@ -271,6 +271,12 @@ def test_trainer_two_ranks_equal_one_process_with_freezing_saving_and_resume(tmp
     assert sum(facts[0]["zero_trainable_elements_per_rank"]) == trainable
     assert facts[0]["zero_state_bytes_per_rank"] == [0, 0] and min(facts[1]["zero_state_bytes_per_rank"]) > 0
 
+    # The memory ledger, logged once after the first step, with the planner's prediction of its model states.
+    ledgers = [e for e in main[1] if "zero_memory_ledger" in e]
+    assert [e["step"] for e in ledgers] == [0]  # Trainer counts the step after on_optimizer_step
+    led, predicted = ledgers[0]["zero_memory_ledger"], ledgers[0]["zero_memory_predicted"]
+    assert led["model_states"] == predicted["model_states"] > 0 and led["ddp_buckets"] > 0
+
     # A ZeroBucketCallback passed explicitly as well as the default one acts once: one facts
     # line at train begin and one for the first step's re-layout after DDP's buckets, none twice.
     assert [e["zero_rebuilds"] for e in steps[1] if "zero_rebuilds" in e and "loss" not in e] == [1, 2]

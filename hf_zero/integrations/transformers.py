@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 from transformers.optimization import Adafactor
 
 from .. import _offline, _sharded
+from .._planner import predict_for
 from .._optimizer import ZeroBucketOptimizer
 from .._statedict import FROZEN_KEY
 from . import OPTIM_MEMBER, OPTIM_NAME, _compat
@@ -404,6 +405,7 @@ class ZeroBucketCallback(TrainerCallback):
     def __init__(self, sharded_checkpoints: bool | None = None) -> None:
         self.sharded_checkpoints = None if sharded_checkpoints is None else bool(sharded_checkpoints)
         self._rebuilds_logged = -1
+        self._ledger_logged = False
         self._pending: dict[str, Any] = {}
         self._drain_after_step = True
 
@@ -436,7 +438,7 @@ class ZeroBucketCallback(TrainerCallback):
         facts = self._facts(opt)
         self._rebuilds_logged = opt.rebuilds
         state.log_history.append({**facts, "step": state.global_step})
-        self._pending = {k: v for k, v in facts.items() if not isinstance(v, list)}
+        self._pending.update({k: v for k, v in facts.items() if not isinstance(v, list)})  # the ledger's too
         self._pending["zero_state_bytes_max"] = max(facts["zero_state_bytes_per_rank"])
         if state.is_world_process_zero:
             logger.info("hf_zero at step %d: %s", state.global_step, facts)
@@ -493,6 +495,24 @@ class ZeroBucketCallback(TrainerCallback):
                 # the next forward (this callback runs before theirs): complete them now.
                 opt.wait_param_sync()
             self._record(opt, state)  # the step itself rebuilds after late trainability changes
+            if not self._ledger_logged:
+                self._ledger_logged = True
+                self._log_ledger(opt, state)
+
+    def _log_ledger(self, opt: ZeroBucketOptimizer, state) -> None:
+        """Once, after the first step (the state exists, the grads are still held): this rank's memory ledger and
+        the planner's prediction of its model states, in ``state.log_history``, the next logged line and the log."""
+        ledger = opt.memory_ledger()
+        predicted = predict_for(opt)
+        entry = {"zero_memory_ledger": ledger.as_dict(), "zero_memory_predicted": predicted, "step": state.global_step}
+        state.log_history.append(entry)
+        self._pending.update(zero_memory_total_bytes=ledger.total, zero_memory_model_states_bytes=ledger.model_states)
+        if predicted is not None:
+            self._pending["zero_memory_predicted_model_states_bytes"] = predicted["model_states"]
+        if state.is_world_process_zero:
+            logger.info("%s; predicted model states %s MiB (rank %d; activations are not hf_zero's and not counted)",
+                        ledger.format(), "-" if predicted is None else f"{predicted['model_states'] / 2**20:.1f}",
+                        opt.rank)
 
     def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
         if self._mine(optimizer) is not None and logs is not None and self._pending:
