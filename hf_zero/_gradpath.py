@@ -148,7 +148,8 @@ class GradientPath:
             ddp = sum(p.numel() * p.element_size() for p in reduced)
             if self.ddp_bucket_view:
                 views = {p.grad.untyped_storage().data_ptr() for p in reduced if p.grad is not None}
-        out = {"ddp_buckets": ddp, "full_grads": storage_bytes((p.grad for p in params), views)}
+        grads = (p.grad for i, p in enumerate(params) if self.stage2 is None or not _stage2.stands_in(self.stage2, i, p))
+        out = {"ddp_buckets": ddp, "full_grads": storage_bytes(grads, views)}
         if self.stage2 is not None:
             out.update(_stage2.memory(self.stage2))
         return out

@@ -961,6 +961,11 @@ def memory(reducer: Reducer) -> dict[str, int]:
             "buckets_in_flight": reducer.bucket_bytes, "buckets_pooled": reducer._pool.idle_bytes()}
 
 
+def stands_in(reducer: Reducer, i: int, p: torch.Tensor) -> bool:
+    """Whether ``p.grad`` (param ``i``) is the reducer's memoryless stand-in, not a grad the rank holds."""
+    return reducer._stand_ins.holds(i, p)
+
+
 def memory_peaks(reducer: Reducer, reset: bool = False) -> dict[str, int]:
     """The most bytes of reduce buckets in use, and idle in the pool, since the last reset."""
     return reducer._pool.peaks(reset)
