@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -183,6 +184,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._iteration = _Iteration()
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
                                   shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view)
+        weakref.finalize(self, self._grad.binding.close)  # a collected optimizer leaves the model as it found it
         self._ready = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -342,6 +344,12 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         does nothing: every backward reduces into the shards). Collective; see docs/stage2.md."""
         self._grad.bind_module(module, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
                                local_accumulation=local_accumulation)
+
+    def unbind(self) -> None:
+        """Remove every hook and attribute hf_zero attached to the model and its params (:meth:`bind_module`,
+        :meth:`bind_ddp`, the integrations'): the model is then as if never bound, and may be bound again. Done too
+        when the optimizer is collected, and by Trainer / Accelerate when training ends. Not a collective."""
+        self._grad.unbind()
 
     @property
     def grad_reduce(self) -> str:

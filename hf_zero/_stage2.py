@@ -98,6 +98,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._binding import Binding, Hook
 from ._comm import Comm, early_divisor
 from ._engine import (
     grad_accumulator, graph_task_id, queue_end_of_backward, reentrant_region_below, running_node, tree_tensors, will_run,
@@ -267,7 +268,7 @@ class Reducer:
         self._shard = shard
         self.cap_bytes = int(DEFAULT_BUCKET_CAP_MB * (1 << 20))
         self.module_ref = None
-        self._handles: list = []
+        self._binding: Binding | None = None  # while bound
         self._plan: _Plan | None = None
         self._plan_key = None
         self._accumulators: dict = {}  # param index -> its AccumulateGrad node, per plan
@@ -301,11 +302,12 @@ class Reducer:
     def bound(self) -> bool:
         return self.module_ref is not None
 
-    def bind(self, module: torch.nn.Module, *, cap_bytes: int, broadcast_buffers: bool = True,
+    def bind(self, module: torch.nn.Module, binding: Binding, *, cap_bytes: int, broadcast_buffers: bool = True,
              local_accumulation: bool = True) -> None:
         """``local_accumulation=False``: the module's ``no_sync()`` does nothing, so every backward
         reduces into the shards (Accelerate's ``accumulate`` and Trainer enter it on every
-        micro-batch but the last)."""
+        micro-batch but the last). Every hook and the ``no_sync`` attribute go through ``binding``,
+        whose ``close()`` removes them and unbinds ([Note: a binding ends with its run])."""
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(
                 "bind_module: stage=2 takes gradient synchronisation over from DistributedDataParallel; "
@@ -314,8 +316,12 @@ class Reducer:
         if self.module_ref is not None:
             if self.module_ref() is module:
                 return
-            raise ValueError("bind_module: this optimizer is already bound to another module")
-        if getattr(module, "no_sync", None) is not None:
+            raise ValueError("bind_module: this optimizer is already bound to another module; call "
+                             "optimizer.unbind() first")
+        if _reducer_of(module) is not None:
+            raise ValueError(f"bind_module: this {type(module).__name__} is bound to another stage-2 optimizer; call "
+                             "unbind() on that one first (Trainer and Accelerate unbind when training ends)")
+        if getattr(module, "no_sync", None) is not None and not isinstance(module.no_sync, _NoSync):
             raise ValueError(f"bind_module: {type(module).__name__} already has a no_sync attribute")
         if cap_bytes <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {cap_bytes / (1 << 20)}")
@@ -334,14 +340,26 @@ class Reducer:
                 tensors.append(t.data)
         with torch.no_grad():
             self.comm.broadcast_(tensors, src=0, what="broadcasting parameters and buffers from rank 0")
-        me = weakref.ref(self)
+        self._binding = binding
+        binding.on_close(self._unbound)
         self._hook_params()
         self._broadcast_buffers = broadcast_buffers and self.comm.world_size > 1 and any(True for _ in module.buffers())
-        self._handles.append(module.register_forward_pre_hook(_before_forward(me)))
-        self._handles.append(module.register_forward_hook(_after_forward(me)))
+        before, after = _forward_hooks()
+        _BOUND[module] = weakref.ref(self)
+        binding.keep(module.register_forward_pre_hook(before))
+        binding.keep(module.register_forward_hook(after))
         self.module_ref = weakref.ref(module)
         self._plan_key = None  # planned again, in the module's order
-        module.no_sync = self.no_sync if local_accumulation else contextlib.nullcontext
+        binding.set_attribute(module, "no_sync", _NoSync(self if local_accumulation else None))
+
+    def _unbound(self) -> None:
+        """The binding closed (its handles are removed next): forget the module, so that a later bind
+        hooks everything again."""
+        module = self.module_ref() if self.module_ref is not None else None
+        if module is not None and _reducer_of(module) is self:
+            del _BOUND[module]
+        self.module_ref, self._binding = None, None
+        self._seen, self._unhooked, self._plan_key, self._accumulators = 0, [], None, {}
 
     def _hook_params(self) -> None:
         """Hook the params that need a grad and have no hook yet: at bind, then before each forward
@@ -352,7 +370,7 @@ class Reducer:
         self._seen = len(params)
         if any(params[i].requires_grad for i in self._unhooked):
             for i in [i for i in self._unhooked if params[i].requires_grad]:
-                self._handles.append(params[i].register_post_accumulate_grad_hook(_hook(me, i)))
+                self._binding.keep(params[i].register_post_accumulate_grad_hook(_hook(me, i)))
             self._unhooked = [i for i in self._unhooked if not params[i].requires_grad]
 
     @property
@@ -730,21 +748,39 @@ class _BucketPool:
             self.held_bytes -= base.nbytes
 
 
-def _before_forward(reducer_ref):
-    def before_forward(module: torch.nn.Module, args) -> None:
-        reducer = reducer_ref()
-        if reducer is not None:
-            reducer.before_forward(module)
-
-    return _eager(before_forward)
+# module -> its reducer (weakly both ways): the forward hooks look their reducer up by the module they are
+# called with, so a copy of a bound module (copy.deepcopy shares functions, torch.save pickles them by name)
+# finds none and is not bound ([Note: a binding ends with its run] in _binding.py)
+_BOUND: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
 
 
-def _after_forward(reducer_ref):
-    def after_forward(module: torch.nn.Module, args, output):
-        reducer = reducer_ref()
-        return None if reducer is None else reducer.after_forward(output)
+def _reducer_of(module: torch.nn.Module) -> "Reducer | None":
+    ref = _BOUND.get(module)
+    return None if ref is None else ref()
 
-    return _eager(after_forward)
+
+def _before_forward(module: torch.nn.Module, args) -> None:
+    reducer = _reducer_of(module)
+    if reducer is not None:
+        reducer.before_forward(module)
+
+
+def _after_forward(module: torch.nn.Module, args, output):
+    reducer = _reducer_of(module)
+    return None if reducer is None else reducer.after_forward(output)
+
+
+def _forward_hooks():
+    """The forward pre-hook and hook, marked eager ([Note: forward hooks under torch.compile]) at the first
+    bind; the module's names are rebound to the marked functions, so that they still pickle by name."""
+    global _before_forward, _after_forward
+    if not _EAGER:
+        _before_forward, _after_forward = _eager(_before_forward), _eager(_after_forward)
+        _EAGER.append(True)
+    return _before_forward, _after_forward
+
+
+_EAGER: list = []
 
 
 def _eager(hook):
@@ -756,6 +792,23 @@ def _eager(hook):
     the compiled graph's backward (tests/test_stage2_compile.py). The mark imports ``torch._dynamo``
     at ``bind_module`` (about a second, once, where transformers has not imported it already)."""
     return torch.compiler.disable(hook)
+
+
+class _NoSync(Hook):
+    """The bound module's ``no_sync`` attribute: the reducer's :meth:`Reducer.no_sync` (None: a
+    ``nullcontext``, ``local_accumulation=False``). A copy of the module gets one that does nothing."""
+
+    __slots__ = ("_reducer",)
+
+    def __init__(self, reducer: "Reducer | None"):
+        self._reducer = None if reducer is None else weakref.ref(reducer)
+
+    def __call__(self):
+        reducer = None if self._reducer is None else self._reducer()
+        return contextlib.nullcontext() if reducer is None else reducer.no_sync()
+
+    def __reduce__(self):
+        return (_NoSync, (None,))
 
 
 def _arm(reducer_ref):
