@@ -53,6 +53,7 @@ class Binding:
         self._handles: list = []
         self._attributes: list[tuple[weakref.ref, str, Any]] = []
         self._on_close: list[Callable[[], None]] = []
+        self._once: set = set()  # (weakref to an object, what) registered by once()
 
     @property
     def empty(self) -> bool:
@@ -63,6 +64,13 @@ class Binding:
         """Keep ``handle`` (a ``RemovableHandle``) until :meth:`close`; returns it."""
         self._handles.append(handle)
         return handle
+
+    def once(self, obj: Any, what: str, register: Callable[[], Any]) -> None:
+        """Keep ``register()``'s handle unless ``what`` is registered on ``obj`` already (until :meth:`close`)."""
+        key = (weakref.ref(obj), what)
+        if key not in self._once:
+            self.keep(register())
+            self._once.add(key)
 
     def set_attribute(self, obj: Any, name: str, value: Any) -> None:
         """``setattr(obj, name, value)``, deleted again at :meth:`close` (if still ``value``)."""
@@ -79,6 +87,7 @@ class Binding:
         for fn in reversed(undo):
             fn()
         handles, self._handles = self._handles, []
+        self._once = set()
         for handle in reversed(handles):
             handle.remove()
         attributes, self._attributes = self._attributes, []

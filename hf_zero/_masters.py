@@ -40,6 +40,7 @@ would cost half that step or more (docs/benchmarks.md, "Following in-place edits
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -85,11 +86,12 @@ class Master:
         self.version = version_of(param)
         self.stepped = saved is not None
 
-    def follow_edits(self) -> None:
+    def follow_edits(self, written: bool = False) -> None:
         """Adopt the param's values where it was written in place since the last call (see
-        [Note: master weights]): a no-op, one counter read, when it was not."""
+        [Note: master weights]; ``written``: through an alias, [Note: writes through a state
+        dict's aliases]): a no-op, one counter read, when it was not."""
         version = version_of(self.param)
-        if version != self.version:
+        if version != self.version or written:
             self._adopt_param()
             self.version = version
 
@@ -119,6 +121,48 @@ class Master:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+
+# [Note: writes through a state dict's aliases]
+# Under Trainer, ``model.state_dict()`` hands out bucket views as tensors with a storage object of
+# their own over the same memory (``torch.from_dlpack``: integrations/accelerate.py, ``_own_storage``),
+# so that a save does not copy the model. Such an alias has a version counter of its own: a write
+# through it (``model.state_dict()["w"].zero_()``) moves no counter of the param's, and a master
+# would never see it. So each alias is watched, weakly, with its counter when handed out: before a
+# step (and before a checkpoint reads the masters) a moved alias marks its param as written, and the
+# masters of that param re-derive from it as after any other in-place write. With no alias alive
+# (a save's state dict is dropped when written) the check is one test of an empty dict.
+_ALIASES: dict[int, tuple] = {}  # id(weak reference to the alias) -> (that reference, its version, the param weakly)
+_WRITTEN: set[int] = set()  # id(param) of params written through an alias, until their partition follows
+
+
+def watch_alias(alias: torch.Tensor, param: torch.Tensor) -> None:
+    """Have the masters of ``param`` follow in-place writes through ``alias``, a tensor over the same
+    memory with a version counter of its own, for as long as ``alias`` lives."""
+    ref = weakref.ref(alias, _forget)
+    _ALIASES[id(ref)] = (ref, version_of(alias), weakref.ref(param))
+
+
+def _forget(ref) -> None:
+    _ALIASES.pop(id(ref), None)
+
+
+def aliases_watched() -> bool:
+    """Whether any alias is watched (or a write through one not yet followed)."""
+    return bool(_ALIASES) or bool(_WRITTEN)
+
+
+def written_through_aliases() -> set[int]:
+    """``id(param)`` of the params written through a watched alias and not yet followed (a set the
+    caller removes the params it followed from)."""
+    for key, (ref, version, param) in list(_ALIASES.items()):
+        alias = ref()
+        if alias is not None and version_of(alias) != version:
+            _ALIASES[key] = (ref, version_of(alias), param)
+            p = param()
+            if p is not None:
+                _WRITTEN.add(id(p))
+    return _WRITTEN
 
 
 def split_saved(state: dict) -> tuple[dict, torch.Tensor | None]:

@@ -271,8 +271,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._ensure_partition(force=True)
 
     def ensure_partition(self) -> None:
-        """Check trainability and views on every rank and rebuild on every rank if any
-        rank needs it: one 24-byte agreement all-reduce. Collective; :meth:`step` calls it."""
+        """Check trainability and views, rebuild on every rank if any needs it: one 24-byte all-reduce. Collective."""
         self._ensure_partition(force=False)
 
     def _ensure_partition(self, force: bool) -> None:
@@ -305,8 +304,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- gradients DDP does not reduce (see docs/architecture.md, "Unreduced gradients")
     def mark_ddp_reduced(self) -> None:
-        """Record that DDP reduces exactly the params trainable now: call it when DDP has
-        just been built. Without a call, the set trainable at the first step is taken."""
+        """Record that DDP reduces the params trainable now (call it right after building DDP; default: at the first step)."""
         self._grad.mark_reduced(self._table.mask())
 
     def unreduced_params(self) -> list[torch.Tensor]:
@@ -346,9 +344,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                                local_accumulation=local_accumulation)
 
     def unbind(self) -> None:
-        """Remove every hook and attribute hf_zero attached to the model and its params (:meth:`bind_module`,
-        :meth:`bind_ddp`, the integrations'): the model is then as if never bound, and may be bound again. Done too
-        when the optimizer is collected, and by Trainer / Accelerate when training ends. Not a collective."""
+        """Remove every hook and attribute hf_zero put on the model and its params: it is as if never bound, and may be
+        bound again. Done too when the optimizer is collected, and by Trainer / Accelerate when training ends."""
         self._grad.unbind()
 
     @property
@@ -362,8 +359,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         return self._grad.overlap is not None
 
     def wait_param_sync(self) -> None:
-        """Wait for an overlapped parameter sync still in flight (a no-op otherwise), so every param is complete.
-        Not a collective: each rank waits for its own."""
+        """Wait for an overlapped parameter sync still in flight (a no-op otherwise). Not a collective."""
         self._grad.wait()
 
     def _clip_args(self, parameters, what: str) -> tuple[set[int], list, set[int], Any]:
@@ -409,14 +405,12 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         return self._comm.process_group
 
     def release_views(self) -> None:
-        """Give every param sharing its storage its own (for savers that reject shared storage); the next step
-        rebuilds the buffers on every rank, moving no state."""
+        """Give every param sharing storage its own (for savers refusing it); the next step rebuilds, moving no state."""
         self.wait_param_sync()
         self._table.release_shared_storage()
 
     def stats(self) -> dict[str, Any]:
-        """Per-rank trainable elements owned, optimizer-state bytes and fp32 master bytes
-        (apart), and the rebuild count. Collective (one small object exchange)."""
+        """Per rank: trainable elements owned, state bytes, fp32 master bytes; the rebuild count. Collective."""
         owned = [] if self._partition is None else self._partition.owned()
         live = self._lifecycle.parked_master_bytes() + (0 if self._partition is None else self._partition.master_bytes())
         return _lifecycle.rank_stats(self._comm, self.rebuilds, owned, self._holdings(), live)
@@ -477,16 +471,15 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- sharded checkpoints -----------------------------------------------------------
     def save_sharded(self, path: str | os.PathLike) -> None:
-        """Write a sharded checkpoint to directory ``path`` (its own, seen by all ranks), each
-        rank its own state, no gather; atomic. Collective. Format: :mod:`hf_zero._sharded`."""
+        """Write a sharded checkpoint to directory ``path`` (its own, seen by all ranks), each rank its own state, no
+        gather; atomic. Collective. Format: :mod:`hf_zero._sharded`."""
         self._table.check_agreement(self._comm)
         self._lifecycle.check_pending()
         _lifecycle.write_sharded(self, self._comm, self._table, self._holdings(), path)
 
     def load_sharded(self, path: str | os.PathLike) -> None:
-        """Load a sharded checkpoint of any world size and shard mode, each rank reading the
-        ranges it will own. Collective. Another model's or optimizer class's raises
-        ``ValueError`` listing the mismatches; nothing changes."""
+        """Load a sharded checkpoint of any world size and shard mode, each rank reading the ranges it will own.
+        Collective. Another model's or optimizer class's raises ``ValueError`` listing the mismatches; nothing changes."""
         self._table.check_agreement(self._comm)
         groups, held, has_state = _lifecycle.read_sharded(self, self._comm, self._table, path)
         self._adopt_loaded(groups, held, has_state=has_state)

@@ -308,30 +308,10 @@ class Reducer:
         reduces into the shards (Accelerate's ``accumulate`` and Trainer enter it on every
         micro-batch but the last). Every hook and the ``no_sync`` attribute go through ``binding``,
         whose ``close()`` removes them and unbinds ([Note: a binding ends with its run])."""
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            raise TypeError(
-                "bind_module: stage=2 takes gradient synchronisation over from DistributedDataParallel; "
-                "pass the unwrapped module (model.module) and do not wrap it in DDP"
-            )
-        if self.module_ref is not None:
-            if self.module_ref() is module:
-                return
-            raise ValueError("bind_module: this optimizer is already bound to another module; call "
-                             "optimizer.unbind() first")
-        if _reducer_of(module) is not None:
-            raise ValueError(f"bind_module: this {type(module).__name__} is bound to another stage-2 optimizer; call "
-                             "unbind() on that one first (Trainer and Accelerate unbind when training ends)")
-        if getattr(module, "no_sync", None) is not None and not isinstance(module.no_sync, _NoSync):
-            raise ValueError(f"bind_module: {type(module).__name__} already has a no_sync attribute")
-        if cap_bytes <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {cap_bytes / (1 << 20)}")
+        if self.module_ref is not None and self.module_ref() is module:
+            return
         table = self._table()
-        missing = [n for n, p in module.named_parameters() if p.requires_grad and table.index(p) is None]
-        if missing:
-            raise ValueError(
-                f"bind_module: trainable params of the module are not in the optimizer: {missing[:5]}; "
-                "give the optimizer every param (frozen ones too) or freeze these"
-            )
+        _check_bindable(module, table, bound=self.module_ref is not None, cap_bytes=cap_bytes)
         self.cap_bytes = cap_bytes
         seen, tensors = set(), []
         for t in [*table.params, *module.parameters(), *module.buffers()]:
@@ -746,6 +726,30 @@ class _BucketPool:
             free.append(base)
         else:
             self.held_bytes -= base.nbytes
+
+
+def _check_bindable(module: torch.nn.Module, table, *, bound: bool, cap_bytes: int) -> None:
+    """Refuse, before anything changes, a module :meth:`Reducer.bind` cannot bind."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "bind_module: stage=2 takes gradient synchronisation over from DistributedDataParallel; "
+            "pass the unwrapped module (model.module) and do not wrap it in DDP"
+        )
+    if bound:
+        raise ValueError("bind_module: this optimizer is already bound to another module; call optimizer.unbind() first")
+    if _reducer_of(module) is not None:
+        raise ValueError(f"bind_module: this {type(module).__name__} is bound to another stage-2 optimizer; call "
+                         "unbind() on that one first (Trainer and Accelerate unbind when training ends)")
+    if getattr(module, "no_sync", None) is not None and not isinstance(module.no_sync, _NoSync):
+        raise ValueError(f"bind_module: {type(module).__name__} already has a no_sync attribute")
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket_cap_mb must be positive, got {cap_bytes / (1 << 20)}")
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and table.index(p) is None]
+    if missing:
+        raise ValueError(
+            f"bind_module: trainable params of the module are not in the optimizer: {missing[:5]}; "
+            "give the optimizer every param (frozen ones too) or freeze these"
+        )
 
 
 # module -> its reducer (weakly both ways): the forward hooks look their reducer up by the module they are

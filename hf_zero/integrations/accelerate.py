@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _offline
+from .._binding import Hook
+from .._masters import watch_alias
 from .._optimizer import ZeroBucketOptimizer
 from . import _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
@@ -264,7 +266,8 @@ def _wire(accelerator, prepared=None) -> bool:
         accelerator.register_load_state_pre_hook(_load_hook(accelerator))
         accelerator.get_state_dict = _owning_get_state_dict(accelerator, accelerator.get_state_dict)
         route_clipping(accelerator, lambda: [opt for _, opt in _indexed(accelerator)])
-        accelerator.end_training = _draining_end_training(accelerator, accelerator.end_training)
+        for name in ("end_training", "free_memory", "clear"):  # the run ends: [Note: a binding ends with its run]
+            setattr(accelerator, name, _unbinding(accelerator, getattr(accelerator, name)))
         accelerator.save_state = _plain_after_save_state(accelerator, accelerator.save_state)
         wiring.hooked = True
     return True
@@ -276,17 +279,18 @@ def _syncs_each_batch(accelerator) -> bool:
     return bool(plugin_kwargs.get("sync_each_batch", False)) and accelerator.gradient_accumulation_steps > 1
 
 
-def _draining_end_training(accelerator, end_training):
-    """``end_training`` that first waits for an overlapped parameter sync (it destroys
-    the process group the sync runs on)."""
+def _unbinding(accelerator, ends):
+    """``end_training`` / ``free_memory`` / ``clear`` that first unbinds every ZeroBucketOptimizer the
+    accelerator prepared (waiting for an overlapped parameter sync: ``end_training`` destroys the
+    process group it runs on; ``free_memory`` drops the optimizers)."""
 
-    def draining(*args, **kwargs):
+    def unbinding(*args, **kwargs):
         for _, opt in _indexed(accelerator):
-            opt.wait_param_sync()
-        return end_training(*args, **kwargs)
+            opt.unbind()
+        return ends(*args, **kwargs)
 
-    draining.__doc__ = end_training.__doc__
-    return draining
+    unbinding.__doc__ = ends.__doc__
+    return unbinding
 
 
 def _find_unused(accelerator) -> bool:
@@ -294,11 +298,11 @@ def _find_unused(accelerator) -> bool:
     return bool(getattr(accelerator.ddp_handler, "find_unused_parameters", False))
 
 
-def _own_storage(state_dict: dict) -> None:
+def _own_storage(state_dict: dict) -> dict[str, torch.Tensor]:
     """Give every tensor that shares storage with a *different* tensor a storage object of
     its own, over the same memory (``torch.from_dlpack``: no copy; savers that refuse or
     copy shared storage, as safetensors and transformers' ``save_pretrained`` do, see
-    separate tensors).
+    separate tensors). Returns the entries replaced (name -> alias).
 
     Exact aliases (tied weights: same data, shape and strides) stay aliases of one
     tensor, so Accelerate still drops the duplicates it is meant to drop.
@@ -307,6 +311,7 @@ def _own_storage(state_dict: dict) -> None:
     for name, t in state_dict.items():
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             by_storage[(t.device, t.untyped_storage().data_ptr())].append(name)
+    replaced = {}
     for names in by_storage.values():
         if len(names) < 2:
             continue
@@ -316,19 +321,30 @@ def _own_storage(state_dict: dict) -> None:
             key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
             if key not in copies:
                 copies[key] = torch.from_dlpack(t.detach())
-            state_dict[name] = copies[key]
+            state_dict[name] = replaced[name] = copies[key]
+    return replaced
 
 
-_ALIASED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+class _OwnStorage(Hook):
+    """The model's state-dict post-hook of :func:`separate_views_in_state_dict` (no ``__slots__``: torch marks
+    the hooks it is given with an attribute)."""
+
+    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        replaced = _own_storage(state_dict)
+        if replaced:
+            # [Note: writes through a state dict's aliases] in _masters.py: the masters follow them
+            params = {prefix + n: p for n, p in module.named_parameters(remove_duplicate=False)}
+            for name, alias in replaced.items():
+                if name in params:
+                    watch_alias(alias, params[name])
 
 
-def separate_views_in_state_dict(model: torch.nn.Module) -> None:
+def separate_views_in_state_dict(model: torch.nn.Module, opt: ZeroBucketOptimizer) -> None:
     """Make ``model.state_dict()`` give bucket views storage objects of their own (see
     :func:`_own_storage`; Trainer saves ``model.state_dict()`` with ``save_pretrained``,
-    which would otherwise clone every one of them: the whole model once more). Idempotent."""
-    if model not in _ALIASED:
-        model.register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: _own_storage(state_dict))
-        _ALIASED.add(model)
+    which would otherwise clone every one of them: the whole model once more), until
+    ``opt.unbind()``. Idempotent."""
+    opt.gradient_path.binding.once(model, "own_storage", lambda: model.register_state_dict_post_hook(_OwnStorage()))
 
 
 def _owning_get_state_dict(accelerator, get_state_dict):

@@ -442,7 +442,7 @@ class ZeroBucketCallback(TrainerCallback):
 
         attach_grad_averaging(model, opt, syncing=lambda: GradientState().sync_gradients)
         if model is not None:
-            separate_views_in_state_dict(model)  # saved without a copy of the model
+            separate_views_in_state_dict(model, opt)  # saved without a copy of the model
         guard_frozen_under_ddp(model, opt, find_unused_parameters=_compat.ddp_find_unused_parameters(args, model), hint=_DDP_HINT)
         # Trainer loaded optimizer.pt before this event; a sharded reference is loaded
         # here, before any step (collective).
@@ -460,6 +460,9 @@ class ZeroBucketCallback(TrainerCallback):
         opt = self._mine(optimizer)
         if opt is not None:
             opt.wait_param_sync()
+            # the model is the user's again ([Note: a binding ends with its run]): a later Trainer on it,
+            # or a second train(), binds it afresh
+            opt.unbind()
             # [Note: exit after a last gather] Trainer's last collective (store_flos's
             # all_gather) returns before gloo's worker thread has freed the work, which needs
             # the GIL; when the process ends right after, torch frees DDP's Reducer holding the
