@@ -128,23 +128,21 @@ class Master:
 # their own over the same memory (``torch.from_dlpack``: integrations/accelerate.py, ``_own_storage``),
 # so that a save does not copy the model. Such an alias has a version counter of its own: a write
 # through it (``model.state_dict()["w"].zero_()``) moves no counter of the param's, and a master
-# would never see it. So each alias is watched, weakly, with its counter when handed out: before a
-# step (and before a checkpoint reads the masters) a moved alias marks its param as written, and the
-# masters of that param re-derive from it as after any other in-place write. With no alias alive
-# (a save's state dict is dropped when written) the check is one test of an empty dict.
-_ALIASES: dict[int, tuple] = {}  # id(weak reference to the alias) -> (that reference, its version, the param weakly)
+# would never see it. So each alias is watched: a ``detach()`` of it (same memory, same counter, no
+# copy) is kept with the counter's value when handed out, and before a step (and before a checkpoint
+# reads the masters) a moved counter marks its param as written, whose masters then re-derive from it
+# as after any other in-place write. The alias itself is held weakly: once it is gone and its counter
+# was read, the entry is dropped (a save's state dict lives until it is written, so its entries go at
+# the next step). With no alias watched the check is one test of an empty list.
+_ALIASES: list[list] = []  # [weak reference to the alias, its detach(), the counter seen, the param weakly]
 _WRITTEN: set[int] = set()  # id(param) of params written through an alias, until their partition follows
 
 
 def watch_alias(alias: torch.Tensor, param: torch.Tensor) -> None:
     """Have the masters of ``param`` follow in-place writes through ``alias``, a tensor over the same
-    memory with a version counter of its own, for as long as ``alias`` lives."""
-    ref = weakref.ref(alias, _forget)
-    _ALIASES[id(ref)] = (ref, version_of(alias), weakref.ref(param))
-
-
-def _forget(ref) -> None:
-    _ALIASES.pop(id(ref), None)
+    memory with a version counter of its own."""
+    twin = alias.detach()
+    _ALIASES.append([weakref.ref(alias), twin, version_of(twin), weakref.ref(param)])
 
 
 def aliases_watched() -> bool:
@@ -154,14 +152,18 @@ def aliases_watched() -> bool:
 
 def written_through_aliases() -> set[int]:
     """``id(param)`` of the params written through a watched alias and not yet followed (a set the
-    caller removes the params it followed from)."""
-    for key, (ref, version, param) in list(_ALIASES.items()):
-        alias = ref()
-        if alias is not None and version_of(alias) != version:
-            _ALIASES[key] = (ref, version_of(alias), param)
+    caller removes the params it followed from); forgets the aliases that are gone."""
+    kept = []
+    for entry in _ALIASES:
+        ref, twin, version, param = entry
+        if version_of(twin) != version:
+            entry[2] = version_of(twin)
             p = param()
             if p is not None:
                 _WRITTEN.add(id(p))
+        if ref() is not None:
+            kept.append(entry)
+    _ALIASES[:] = kept
     return _WRITTEN
 
 
