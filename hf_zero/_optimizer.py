@@ -184,7 +184,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._iteration = _Iteration()
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
                                   shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view)
-        weakref.finalize(self, self._grad.binding.close)  # a collected optimizer leaves the model as it found it
+        weakref.finalize(self, self._grad.binding.close).atexit = False  # collected, it leaves the model as it found it
         self._ready = True
 
     def add_param_group(self, param_group: dict) -> None:

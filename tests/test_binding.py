@@ -126,6 +126,28 @@ def test_binding_a_bound_module_again_names_the_fix():
     _train(model, other, 1)
 
 
+@pytest.mark.fast
+@pytest.mark.parametrize("end", ["end_training", "free_memory", "clear"])
+def test_accelerate_unbinds_when_the_run_ends(end):
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    torch.manual_seed(0)
+    model = MLP()
+    opt = hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, stage=2)
+    accelerator = Accelerator(cpu=True)
+    prepared, prepared_opt = accelerator.prepare(model, opt)
+    _train(model, prepared_opt, 2, forward=prepared)
+    never = accelerator.prepare(MLP())  # prepared by Accelerate too (its own marker attribute), never bound
+    assert _hooks_and_attributes(model) != _hooks_and_attributes(never)  # bound by the wiring
+    getattr(accelerator, end)()
+    assert _hooks_and_attributes(model) == _hooks_and_attributes(never)
+    fresh = _copy_of(model)
+    assert all(torch.equal(a, b) for a, b in zip(_torch_run(model), _torch_run(fresh)))
+
+
 # -- 2 gloo ranks: after the binding, DDP + torch AdamW; rebinding with compile / checkpointing ----
 class CheckpointedMLP(MLP):
     """MLP whose middle runs under non-reentrant activation checkpointing."""
@@ -151,7 +173,7 @@ def _after_binding(rank, world_size):
         fresh = _copy_of(model)
         runs = []
         for m in (model, fresh):
-            ddp = nn.parallel.DistributedDataParallel(m)
+            ddp = nn.parallel.DistributedDataParallel(m, find_unused_parameters=True)  # MLP.unused
             _train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), STEPS, rank, world_size, forward=ddp)
             runs.append([p.detach().clone() for p in m.parameters()])
         out[end] = runs

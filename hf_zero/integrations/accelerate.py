@@ -210,13 +210,26 @@ def _grads_as_bucket_views(accelerator) -> None:
 def _wire(accelerator, prepared=None) -> bool:
     """Wire ``accelerator`` for the ZeroBucketOptimizers it prepared so far; return
     whether it has any. Idempotent (safe after every prepare call). ``prepared``: what
-    the prepare call just returned."""
+    the prepare call just returned. In order: refuse what cannot run, bind each optimizer
+    (its binding holds what goes on the model: [Note: a binding ends with its run]), and
+    hook the accelerator once (saves, loads, clipping, the end of the run)."""
     wiring = _WIRED.setdefault(accelerator, _Wiring())
     if isinstance(prepared, torch.nn.parallel.DistributedDataParallel):
         wiring.ddps.add(prepared)
     optimizers = [o for o in map(ours, _compat.prepared_optimizers(accelerator)) if o is not None]
     if not optimizers:
         return False
+    _refuse_run(accelerator, optimizers)
+    for opt in optimizers:
+        _bind(accelerator, wiring, opt)
+    if not wiring.hooked:
+        _hook_accelerator(accelerator)
+        wiring.hooked = True
+    return True
+
+
+def _refuse_run(accelerator, optimizers: list[ZeroBucketOptimizer]) -> None:
+    """Refuse, before anything is bound, the runs hf_zero cannot serve."""
     _refuse_engines(accelerator)
     if getattr(accelerator.project_configuration, "save_on_each_node", False):
         raise ValueError(
@@ -233,44 +246,56 @@ def _wire(accelerator, prepared=None) -> bool:
                 "Launch with `accelerate launch --multi_gpu --num_processes N` (on CPU set ACCELERATE_USE_CPU=1), "
                 "or pass process_group= to shard over a group of your choice."
             )
-        if _stage2(opt) and getattr(accelerator, "scaler", None) is not None:
-            # fp16: the scaler unscales and inf-checks the shards ([Note: GradScaler over sharded grads], amp.py)
-            prepare_grad_scaler(accelerator.scaler)
-        ids = {id(p) for p in opt.params}
-        for ddp in list(wiring.ddps):
-            if any(id(p) in ids for p in ddp.module.parameters()):
-                if _stage2(opt):
-                    raise ValueError(
-                        "hf_zero: stage=2 takes gradient synchronisation over from DistributedDataParallel, but an "
-                        "earlier accelerator.prepare call wrapped the model holding this optimizer's params in DDP "
-                        "before the optimizer was prepared. Prepare them in one call, accelerator.prepare(model, "
-                        "optimizer, ...), or prepare the optimizer before the model"
-                    )
-                # Reduce-scatter by default (clipping is routed below); the overlapped sync
-                # stays opt-in, as a loop may read params anywhere (docs/gradient_path.md),
-                # and waits per transformer block when on.
-                opt.bind_ddp(
-                    ddp, grad_reduce_default="reduce_scatter", overlap_default=False,
-                    syncs_every_backward=_syncs_each_batch(accelerator),
-                    grad_scaler=getattr(accelerator, "scaler", None) is not None,
-                    overlap_units=_compat.block_classes(ddp.module),
-                )
-        for model in _compat.prepared_models(accelerator):
-            if _stage2(opt) and _holds(opt, model):
-                _bind_stage2(accelerator, opt, model)
-            elif any(id(p) in ids for p in unwrap_ddp(model).parameters()):
-                attach_grad_averaging(model, opt, syncing=lambda: accelerator.sync_gradients)
-                guard_frozen_under_ddp(model, opt, find_unused_parameters=_find_unused(accelerator), hint=_DDP_HINT)
-    if not wiring.hooked:
-        accelerator.register_save_state_pre_hook(_save_hook(accelerator))
-        accelerator.register_load_state_pre_hook(_load_hook(accelerator))
-        accelerator.get_state_dict = _owning_get_state_dict(accelerator, accelerator.get_state_dict)
-        route_clipping(accelerator, lambda: [opt for _, opt in _indexed(accelerator)])
-        for name in ("end_training", "free_memory", "clear"):  # the run ends: [Note: a binding ends with its run]
+
+
+def _bind(accelerator, wiring: _Wiring, opt: ZeroBucketOptimizer) -> None:
+    """Bind ``opt`` to what the accelerator prepared: its GradScaler (stage 2), the DDP wrapping its params
+    (stage 1) or the unwrapped model holding them (stage 2), and the grad averaging and freeze guard on
+    that model (stage 1). Idempotent."""
+    if _stage2(opt) and getattr(accelerator, "scaler", None) is not None:
+        # fp16: the scaler unscales and inf-checks the shards ([Note: GradScaler over sharded grads], amp.py)
+        prepare_grad_scaler(accelerator.scaler)
+    ids = {id(p) for p in opt.params}
+    for ddp in list(wiring.ddps):
+        if not any(id(p) in ids for p in ddp.module.parameters()):
+            continue
+        if _stage2(opt):
+            raise ValueError(
+                "hf_zero: stage=2 takes gradient synchronisation over from DistributedDataParallel, but an "
+                "earlier accelerator.prepare call wrapped the model holding this optimizer's params in DDP "
+                "before the optimizer was prepared. Prepare them in one call, accelerator.prepare(model, "
+                "optimizer, ...), or prepare the optimizer before the model"
+            )
+        # Reduce-scatter by default (clipping is routed below); the overlapped sync
+        # stays opt-in, as a loop may read params anywhere (docs/gradient_path.md),
+        # and waits per transformer block when on.
+        opt.bind_ddp(
+            ddp, grad_reduce_default="reduce_scatter", overlap_default=False,
+            syncs_every_backward=_syncs_each_batch(accelerator),
+            grad_scaler=getattr(accelerator, "scaler", None) is not None,
+            overlap_units=_compat.block_classes(ddp.module),
+        )
+    for model in _compat.prepared_models(accelerator):
+        if _stage2(opt) and _holds(opt, model):
+            _bind_stage2(accelerator, opt, model)
+        elif any(id(p) in ids for p in unwrap_ddp(model).parameters()):
+            attach_grad_averaging(model, opt, syncing=lambda: accelerator.sync_gradients)
+            guard_frozen_under_ddp(model, opt, find_unused_parameters=_find_unused(accelerator), hint=_DDP_HINT)
+
+
+def _hook_accelerator(accelerator) -> None:
+    """Once per accelerator: its save / load hooks, ``get_state_dict`` giving views their own storage,
+    clipping routed to the optimizers, ``save_state`` writing plain files when asked, and the run's ends
+    (``end_training``, ``free_memory``, ``clear``) unbinding every optimizer ([Note: a binding ends with its
+    run]). Accelerate has no hook for most of these: instance attributes wrapping its methods."""
+    accelerator.register_save_state_pre_hook(_save_hook(accelerator))
+    accelerator.register_load_state_pre_hook(_load_hook(accelerator))
+    accelerator.get_state_dict = _owning_get_state_dict(accelerator, accelerator.get_state_dict)
+    route_clipping(accelerator, lambda: [opt for _, opt in _indexed(accelerator)])
+    for name in ("end_training", "free_memory", "clear"):
+        if hasattr(accelerator, name):
             setattr(accelerator, name, _unbinding(accelerator, getattr(accelerator, name)))
-        accelerator.save_state = _plain_after_save_state(accelerator, accelerator.save_state)
-        wiring.hooked = True
-    return True
+    accelerator.save_state = _plain_after_save_state(accelerator, accelerator.save_state)
 
 
 def _syncs_each_batch(accelerator) -> bool:
