@@ -77,6 +77,11 @@ class Binding:
         setattr(obj, name, value)
         self._attributes.append((weakref.ref(obj), name, value))
 
+    def adopt_attribute(self, obj: Any, name: str) -> None:
+        """Delete ``obj``'s instance attribute ``name`` (set by another library because of this binding) at
+        :meth:`close`, if it is still the value it has now."""
+        self._attributes.append((weakref.ref(obj), name, obj.__dict__[name]))
+
     def on_close(self, undo: Callable[[], None]) -> None:
         """Call ``undo`` at :meth:`close` (before the handles are removed), once."""
         self._on_close.append(undo)

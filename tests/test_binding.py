@@ -47,7 +47,7 @@ def _hooks_and_attributes(model: nn.Module) -> list:
 
 
 def _train(model, opt, steps: int = STEPS, rank: int = 0, world_size: int = 1, forward=None):
-    forward = forward or model
+    forward = model if forward is None else forward
     for step in range(steps):
         x, y = model.batch(step, BATCH * world_size)
         forward(x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH]).backward()
@@ -140,7 +140,7 @@ def test_accelerate_unbinds_when_the_run_ends(end):
     accelerator = Accelerator(cpu=True)
     prepared, prepared_opt = accelerator.prepare(model, opt)
     _train(model, prepared_opt, 2, forward=prepared)
-    never = accelerator.prepare(MLP())  # prepared by Accelerate too (its own marker attribute), never bound
+    never = MLP()  # Accelerate's mark on the user's own module goes too: a later Accelerator prepares it anew
     assert _hooks_and_attributes(model) != _hooks_and_attributes(never)  # bound by the wiring
     getattr(accelerator, end)()
     assert _hooks_and_attributes(model) == _hooks_and_attributes(never)
