@@ -95,6 +95,9 @@ def prepare_accelerator(accelerator, *, sharded_checkpoints: bool | None = None)
       directory) and ``optimizer.bin`` is a small reference to it. ``load_state`` loads
       such a directory whenever the checkpoint has one, on any number of processes.
 
+    - unbinds every ZeroBucketOptimizer (``optimizer.unbind()``) in ``end_training()``,
+      ``free_memory()`` and ``clear()``: the model keeps no hook or attribute of hf_zero's.
+
     ``sharded_checkpoints``: ``None`` (default) as above when the optimizer shards over
     several ranks, a plain ``optimizer.bin`` on one process (nothing to gather); ``True``:
     always sharded; ``False``: always a plain PyTorch ``optimizer.bin``, which the main
