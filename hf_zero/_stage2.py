@@ -345,12 +345,12 @@ class Reducer:
         """Hook the params that need a grad and have no hook yet: at bind, then before each forward
         (torch refuses a hook on a frozen param: it gets its own once unfrozen; ``add_param_group``
         appends params)."""
-        params, me = self._table().params, weakref.ref(self)
+        params = self._table().params
         self._unhooked.extend(range(self._seen, len(params)))
         self._seen = len(params)
         if any(params[i].requires_grad for i in self._unhooked):
             for i in [i for i in self._unhooked if params[i].requires_grad]:
-                self._binding.keep(params[i].register_post_accumulate_grad_hook(_hook(me, i)))
+                self._binding.keep(params[i].register_post_accumulate_grad_hook(_GradHook(self, i)))
             self._unhooked = [i for i in self._unhooked if not params[i].requires_grad]
 
     @property
@@ -837,10 +837,15 @@ class _Anchored(torch.autograd.Function):
         return (None, *grads)
 
 
-def _hook(reducer_ref, i: int):
-    def hook(p: torch.Tensor) -> None:
-        reducer = reducer_ref()
-        if reducer is not None:
-            reducer.on_grad(i, p)
+class _GradHook(Hook):
+    """Param ``i``'s post-accumulate-grad hook: hand the grad to the reducer (held weakly)."""
 
-    return hook
+    __slots__ = ("_reducer", "_i")
+
+    def __init__(self, reducer: Reducer, i: int):
+        self._reducer, self._i = weakref.ref(reducer), i
+
+    def __call__(self, p: torch.Tensor) -> None:
+        reducer = self._reducer()
+        if reducer is not None:
+            reducer.on_grad(self._i, p)
