@@ -359,6 +359,10 @@ def _edit_cases(rank, world_size, base):
         def on_step_end(self, args, state, control, model=None, **kwargs):
             if state.global_step == 2:
                 model.state_dict()["classifier.weight"].zero_()  # a tensor of the state dict, written in place
+            if state.global_step == 1:  # what a save gets: the params' own memory (no copy), storages apart
+                sd, params = model.state_dict(), dict(model.named_parameters())
+                self.no_copy = all(sd[n].data_ptr() == p.data_ptr() for n, p in params.items())
+                self.storages = len({sd[n].untyped_storage().data_ptr() for n in params}) == len(params)
             self.after[state.global_step] = model.classifier.weight.detach().abs().max().item()
 
     out = {}
@@ -367,6 +371,7 @@ def _edit_cases(rank, world_size, base):
         _trainer(tiny_bert().to(torch.bfloat16), f"{base}/{optim}", optim, callbacks=[edit], max_steps=4,
                  learning_rate=EDIT_LR, lr_scheduler_type="constant").train()
         out[optim] = edit.after
+        out[f"{optim} save"] = (edit.no_copy, edit.storages)
     return out
 
 
@@ -378,6 +383,7 @@ def edit_cases(tmp_path_factory):
 def test_a_write_through_a_state_dict_tensor_stands_as_with_adamw_torch(edit_cases):
     for per_rank in edit_cases:
         mine, torchs = per_rank["zero_bucket"], per_rank["adamw_torch"]
+        assert per_rank["zero_bucket save"] == per_rank["adamw_torch save"] == (True, True)
         assert mine[1] > 100 * EDIT_LR and torchs[1] > 100 * EDIT_LR  # the head was far from zero before
         assert mine[2] == torchs[2] == 0.0  # the edit itself
         for step in (3, 4):  # each step moves a weight by about the learning rate from where the edit left it
