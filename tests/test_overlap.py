@@ -300,7 +300,7 @@ def _trainer_runs(rank, world_size, output_dir):
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
 
     class SeamTrainer(Trainer):
-        seam, started, record = False, [], []
+        seam, started, record, overlapped = False, [], [], None
 
         def create_optimizer(self, *args, **kwargs):
             opt = super().create_optimizer(*args, **kwargs)
@@ -312,7 +312,9 @@ def _trainer_runs(rank, world_size, output_dir):
             if not self.record:  # after binding: the probe runs after the overlap's hooks
                 _probe(self.model, self.started, self.record)
             self.record.append(("step", 0, 0))
-            return super().training_step(model, inputs, *args, **kwargs)
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            self.overlapped = self.optimizer.optimizer.overlaps_param_sync  # during the run (its end unbinds)
+            return loss
 
     out = {}
     for kind in KINDS:
@@ -326,10 +328,9 @@ def _trainer_runs(rank, world_size, output_dir):
             trainer = SeamTrainer(model=model, args=args, train_dataset=_Tokens())
             trainer.seam, trainer.record = overlap, []
             trainer.train()
-            opt = trainer.optimizer.optimizer
             out[kind, overlap] = {
                 "params": [p.detach().clone() for p in model.parameters()],
-                "overlap": opt.overlaps_param_sync, "delayed": len(trainer.started),
+                "overlap": trainer.overlapped, "delayed": len(trainer.started),
                 "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
                 "record": trainer.record,
             }
