@@ -369,12 +369,13 @@ class _Sync:
 def _launched(units=("Block",)):
     """An overlap over ``SeamLM("mha")`` with one stand-in sync per param (buffer = param
     index); a probe pre-hook on the root records which buffers were waited for by then."""
+    from hf_zero._binding import Binding
     from hf_zero._overlap import ParamSyncOverlap, Units
 
     model = SeamLM("mha")
     reader = Reader(model.blocks[-1].attn.out_proj)  # built before any sync is in flight
     overlap = ParamSyncOverlap()
-    overlap.attach(model, Units(model, units))
+    overlap.attach(model, Units(model, units), Binding())
     params = list(model.parameters())
     order = overlap.launch_order(list(range(len(params))), {id(p): i for i, p in enumerate(params)})
     syncs = {b: _Sync() for b in order}
