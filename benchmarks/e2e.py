@@ -1,6 +1,7 @@
 """End-to-end DDP and Trainer iteration time, hf_zero's gradient paths against plain DDP.
 
-``python -m benchmarks.e2e [--smoke] [--out DIR] [--docs docs/benchmarks.md]``
+``python -m benchmarks.e2e [--smoke] [--out DIR]``: the run's JSON goes to ``DIR/e2e.json``;
+copied into benchmarks/results/, ``python -m benchmarks.render`` makes docs/benchmarks.md from it.
 
 Two gloo processes (one thread each) train the same GPT-2 side by side, each
 contender in its own DistributedDataParallel (``gradient_as_bucket_view=True``):
@@ -750,7 +751,7 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny model, few steps: seconds, for CI")
     parser.add_argument("--out", default="bench_out/e2e", help="output folder (default: bench_out/e2e)")
     parser.add_argument("--docs", default=None, help="markdown file whose e2e section is rewritten "
-                                                     "(default: docs/benchmarks.md for a full run, none for --smoke)")
+                                                     "(default: none; docs/benchmarks.md is rendered by python -m benchmarks.render)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="the model's dtype (bfloat16: loaded in bf16, Trainer with bf16=True)")
     parser.add_argument("--rounds", type=int, default=None, metavar="N", help="paired DDP rounds (default 10)")
@@ -758,7 +759,7 @@ def main(argv=None) -> int:
                         help="paired Trainer runs per batch size (default 3; more narrow the Trainer ratio)")
     parser.add_argument("--render", nargs="+", metavar="E2E_JSON", default=None,
                         help="run nothing: write the section from saved runs' e2e.json files (the last one in "
-                             "full, then every run's medians side by side) to --docs (default docs/benchmarks.md)")
+                             "full, then every run's medians side by side) to --docs, or print it")
     parser.add_argument("--no-trainer", action="store_true", help="leave out the Trainer rows")
     parser.add_argument("--section", default=None, help="write the docs section e2e-SECTION (a partial run: "
                                                         "--contenders, --no-trainer) instead of the main one")
@@ -781,10 +782,10 @@ def main(argv=None) -> int:
         md = markdown(runs[-1])
         if len(runs) > 1:
             md += "\n### Every run\n\n" + summary_markdown(runs)
-        docs = Path(args.docs or ROOT / "docs" / "benchmarks.md")
-        write_docs(docs, md, runs[-1]["config"].get("dtype", "float32"), args.section)
+        if args.docs:
+            write_docs(Path(args.docs), md, runs[-1]["config"].get("dtype", "float32"), args.section)
+            print(f"updated {args.docs}")
         print(md)
-        print(f"updated {docs}")
         return 0
     if args.world_size < 2:
         parser.error(f"--world-size must be at least 2, got {args.world_size}")
@@ -824,7 +825,7 @@ def main(argv=None) -> int:
     (out / "e2e.json").write_text(json.dumps(res, indent=2))
     md = markdown(res)
     (out / "e2e.md").write_text(md)
-    docs = args.docs if args.docs is not None else (None if args.smoke else str(ROOT / "docs" / "benchmarks.md"))
+    docs = args.docs  # docs/benchmarks.md is rendered from benchmarks/results/ (python -m benchmarks.render)
     if docs:
         write_docs(Path(docs), md, args.dtype, args.section)
     print(md)

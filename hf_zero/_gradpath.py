@@ -33,10 +33,12 @@ class GradientPath:
     """See [Note: gradient path protocol]. ``facts``: the optimizer's (held weakly) param
     table and current layout; ``grad_reduce`` / ``overlap_param_sync``: its constructor's.
     ``stage``: 1, DDP reduces (through the comm hook when reduce-scattering); 2, hf_zero's
-    own reducer (``_stage2.py``), bound to the model with :meth:`bind_module`."""
+    own reducer (``_stage2.py``), bound to the model with :meth:`bind_module`; ``accumulate_dtype``: its
+    shards' (``_stage2.accumulate_dtype``)."""
 
     def __init__(self, comm: Comm, *, facts: Callable[[], tuple], grad_reduce: str,
-                 overlap_param_sync: bool | None, bucket_view: bool, stage: int = 1, shard: str = "flat"):
+                 overlap_param_sync: bool | None, bucket_view: bool, stage: int = 1, shard: str = "flat",
+                 accumulate_dtype: torch.dtype | None = None):
         self.comm = comm
         self.grad_reduce = "reduce_scatter" if stage == 2 else grad_reduce
         self._facts = weakref.WeakMethod(facts)  # () -> (ParamTable, current Layout or None)
@@ -47,7 +49,7 @@ class GradientPath:
         self.reducer: _scatter_hook.BucketReducer | None = None
         self.overlap: ParamSyncOverlap | None = None
         self.stage = stage
-        self.stage2 = _stage2.Reducer(comm, self._table, shard) if stage == 2 else None
+        self.stage2 = _stage2.Reducer(comm, self._table, shard, accumulate_dtype) if stage == 2 else None
         # every hook and attribute on the user's module ([Note: a binding ends with its run])
         self.binding = Binding()
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from . import _clip, _lifecycle, _sharded
+from . import _clip, _lifecycle, _sharded, _stage2
 from ._comm import Comm
 from ._grads import average_grads
 from ._layout import Layout, is_elementwise, plan_layout
@@ -33,8 +33,10 @@ from ._state import Holdings
 logger = logging.getLogger(__name__)
 
 
-def _checked_options(optimizer_class, overlap_with_ddp: bool, shard: str, grad_reduce: str, stage: int = 1) -> str:
-    """Validate the constructor's options before anything changes; returns the resolved shard mode."""
+def _checked_options(optimizer_class, overlap_with_ddp: bool, shard: str, grad_reduce: str, stage: int = 1,
+                     grad_accum_dtype: str = "auto") -> tuple[str, torch.dtype | None]:
+    """Validate the constructor's options before anything changes; returns the resolved shard mode and
+    stage 2's accumulation dtype (``_stage2.accumulate_dtype``)."""
     if stage not in (1, 2) or isinstance(stage, bool):
         raise ValueError(f"stage must be 1 (optimizer state sharded) or 2 (and gradients), got {stage!r}")
     if stage == 2 and grad_reduce == "all_reduce":
@@ -58,9 +60,23 @@ def _checked_options(optimizer_class, overlap_with_ddp: bool, shard: str, grad_r
         )
     if grad_reduce not in GRAD_REDUCE:
         raise ValueError(f"grad_reduce must be one of {GRAD_REDUCE}, got {grad_reduce!r}")
+    accumulate = _stage2.accumulate_dtype(grad_accum_dtype, stage)
     if shard == "auto":
         shard = "flat" if is_elementwise(optimizer_class) else "param"
-    return shard
+    return shard, accumulate
+
+
+def _init_param_groups(optimizer: torch.optim.Optimizer, params: Iterable, optimizer_class, defaults: dict) -> dict:
+    """torch's ``Optimizer.__init__`` over ``params`` (a duplicate param, which torch only warns of, is an
+    error), the params checked; returns the resolved defaults."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # torch only warns on duplicates
+        try:
+            torch.optim.Optimizer.__init__(optimizer, params, {})
+        except UserWarning as w:
+            raise ValueError(f"params: {w}") from None
+    check_params(optimizer.param_groups)
+    return _resolved_defaults(optimizer_class, optimizer.param_groups, defaults)
 
 
 def _resolved_defaults(optimizer_class, param_groups: list[dict], defaults: dict) -> dict:
@@ -135,8 +151,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             integration's choice (off by default).
         master_weights: ``"auto"`` (default) or ``True``: bf16/fp16 params step through
             sharded fp32 masters, saved as state ``"master_param"``; ``False``: pure
-            16-bit steps. fp16 params cannot use a ``GradScaler``. See ``_masters.py``.
+            16-bit steps. fp16 params use a ``GradScaler`` under stage 2 only (fp32 shards). See ``_masters.py``.
         stage: ``2`` shards grads too (no DDP: :meth:`bind_module`, docs/stage2.md); default ``1``.
+        grad_accum_dtype: stage 2's 16-bit grad shards: ``"fp32"`` (``"auto"``) or ``"param"`` (_stage2.py).
         **defaults: hyperparameters for ``optimizer_class``.
 
     Buffers are built at the first :meth:`step` and checked at every step. Every method
@@ -155,20 +172,13 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         grad_reduce: str = "auto",
         overlap_param_sync: bool | None = None,
         master_weights: bool | str = "auto",
-        stage: int = 1,
+        stage: int = 1, grad_accum_dtype: str = "auto",
         **defaults: Any,
     ):
         masters = check_choice(master_weights)
-        shard = _checked_options(optimizer_class, overlap_with_ddp, shard, grad_reduce, stage)
+        shard, accumulate = _checked_options(optimizer_class, overlap_with_ddp, shard, grad_reduce, stage, grad_accum_dtype)
         self._ready = False
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)  # torch only warns on duplicates
-            try:
-                torch.optim.Optimizer.__init__(self, params, {})
-            except UserWarning as w:
-                raise ValueError(f"params: {w}") from None
-        check_params(self.param_groups)
-        self.defaults = _resolved_defaults(optimizer_class, self.param_groups, defaults)
+        self.defaults = _init_param_groups(self, params, optimizer_class, defaults)
         Joinable.__init__(self)
 
         self.optimizer_class = optimizer_class
@@ -183,7 +193,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._lifecycle = StateLifecycle()
         self._iteration = _Iteration()
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
-                                  shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view)
+                                  shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view,
+                                  accumulate_dtype=accumulate)
         weakref.finalize(self, self._grad.binding.close).atexit = False  # collected, it leaves the model as it found it
         self._ready = True
 
@@ -277,8 +288,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def _ensure_partition(self, force: bool) -> None:
         self._lifecycle.check_pending()
         mask = self._table.mask()
-        part = self._partition
-        intact = part is not None and part.views_intact(self._table.params)
+        intact = self._partition is not None and self._partition.views_intact(self._table.params)
         live = self._live()
         need = force or live is None or mask != live.mask or not intact or live.layout.buckets != self._grad.wanted_buckets
         if self._table.agree(self._comm, mask, need=need, fresh=not intact):
@@ -359,7 +369,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         return self._grad.overlap is not None
 
     def wait_param_sync(self) -> None:
-        """Wait for an overlapped parameter sync still in flight (a no-op otherwise). Not a collective."""
+        """Wait for an overlapped parameter sync in flight (else a no-op): every param is then complete. Not a collective."""
         self._grad.wait()
 
     def _clip_args(self, parameters, what: str) -> tuple[set[int], list, set[int], Any]:
@@ -432,7 +442,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     def state_dict(self) -> dict:
         """A dict a plain ``optimizer_class`` over the same params would return, except with masters: a 16-bit
-        param's state is then fp32, plus ``"master_param"`` (docs/usage.md, "Master weights"). Never a collective.
+        param's state is then fp32, plus ``"master_param"`` (docs/precision.md). Never a collective.
 
         Complete on one rank or before any state exists; on several ranks, read it on the
         rank :meth:`consolidate_state_dict` gathered to. Otherwise ``"state"`` is a

@@ -253,8 +253,8 @@ class Partition:
                             at = used.get(d, 0)
                             used[d] = at + n
                             lp.master.set_grad(g, None if g is None else scratch[d][at : at + n])
-                        else:
-                            lp.tensor.grad = g
+                        else:  # a float32 stage-2 shard of a 16-bit param stepped without a master: rounded once
+                            lp.tensor.grad = g if g is None or g.dtype == lp.tensor.dtype else g.to(lp.tensor.dtype)
                 with record_function(PROFILE_LABELS["step"]):
                     out = self.inner.step(**kwargs)
                 loss = out if loss is None else loss

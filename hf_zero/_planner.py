@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from ._layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
-from ._stage2 import MAX_IN_FLIGHT, plan_buckets
+from ._stage2 import GRAD_ACCUM_DTYPES, MAX_IN_FLIGHT, accumulate_dtype, plan_buckets, shard_dtype
 
 SCHEMA = "hf_zero.plan/2"
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
@@ -228,6 +228,7 @@ def plan(
     master_weights: str | bool = "auto",
     bucket_cap_mb: float = _DDP_BUCKET_CAP_MB,
     stage: int = 1,
+    grad_accum_dtype: str = "auto",
 ) -> dict:
     """The plan report (the ``--json`` document) for ``params`` on ``world_size`` ranks.
 
@@ -237,13 +238,15 @@ def plan(
     params never have masters. Every rank holds the params and the grads once (``p.grad``
     a view of DDP's bucket) and at most one bucket (``bucket_cap_mb``) of
     reduce-scatter scratch. ``stage=2``: each rank holds only its shard of the grads
-    (the owned ranges of stage 2's buckets, in the params' dtype) and up to
+    (the owned ranges of stage 2's buckets, in float32 for 16-bit params unless
+    ``grad_accum_dtype="param"``: the optimizer's option) and up to
     ``MAX_IN_FLIGHT + 1`` reduce buckets of ``bucket_cap_mb`` during the backward
     (docs/stage2.md); the report then has ``stage``, ``reduce_bucket_bytes`` and each
     hf_zero plan's ``grad_shard_bytes_per_rank``.
     """
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    grad_dtype = shard_dtype(accumulate_dtype(grad_accum_dtype, stage), dtype)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if optimizer not in OPTIMIZERS:
@@ -307,7 +310,7 @@ def plan(
         report["per_rank_common"]["reduce_bucket_bytes"] = reduce_buckets
     for shard in shards:
         plan_ = _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend, state_itemsize, masters,
-                              buckets)
+                              buckets, grad_dtype.itemsize)
         sharded = plan_["state_bytes_per_rank"]
         if stage == 2:
             sharded = [a + b for a, b in zip(sharded, plan_["grad_shard_bytes_per_rank"])]
@@ -346,7 +349,7 @@ def _references(total, trainable, world_size, dtype, optimizer, references=REFER
 
 
 def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend, state_itemsize, masters,
-                  buckets=None) -> dict:
+                  buckets=None, grad_itemsize=None) -> dict:
     layout = plan_layout(specs, world_size=world_size, shard=shard, buckets=buckets)
     elements = layout.owned_elements()
     state = []
@@ -389,7 +392,7 @@ def _hf_zero_plan(params, specs, world_size, shard, optimizer, itemsize, backend
     if buckets is not None:  # stage 2: each rank keeps its range of every bucket (cut at the bucket's end)
         ends = [max(s.offset + s.numel for s in b.slots) for b in layout.buffers]
         out["grad_shard_bytes_per_rank"] = [
-            sum(min(b.bounds[r + 1], end) - min(b.bounds[r], end) for b, end in zip(layout.buffers, ends)) * itemsize
+            sum(min(b.bounds[r + 1], end) - min(b.bounds[r], end) for b, end in zip(layout.buffers, ends)) * grad_itemsize
             for r in range(world_size)
         ]
     return out
@@ -514,6 +517,9 @@ def add_arguments(parser) -> None:
                         "bfloat16/float16)")
     parser.add_argument("--stage", type=int, choices=(1, 2), default=1,
                         help="2: gradients sharded too (ZeroBucketOptimizer(stage=2), docs/stage2.md)")
+    parser.add_argument("--grad-accum-dtype", choices=GRAD_ACCUM_DTYPES, default="auto",
+                        help="stage 2: the grad shards of 16-bit params in fp32 (auto, the optimizer's default) "
+                        "or in the params' dtype (param)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON (docs/planner.md)")
     parser.add_argument("--plot", metavar="FILE.png", help="also write a bar chart of per-rank state")
 
@@ -541,7 +547,7 @@ def run(args) -> dict:
     report = plan(params, world_size=args.world_size, optimizer=args.optimizer, shards=shards,
                   dtype=DTYPES[args.dtype], backend=args.backend, model_name=args.model,
                   architecture=architecture, buffer_count=n_buffers, master_weights=args.master_weights,
-                  stage=args.stage)
+                  stage=args.stage, grad_accum_dtype=args.grad_accum_dtype if args.stage == 2 else "auto")
     if args.plot:
         plot_report(report, args.plot)
     print(json.dumps(report, indent=2) if args.json else format_report(report))

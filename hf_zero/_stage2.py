@@ -3,8 +3,9 @@
 [Note: stage 2 reducer]
 Under stage 2 the model is not wrapped in DDP (DDP's reducer allocates every gradient
 bucket whole: docs/stage2.md). :meth:`Reducer.bind` broadcasts the module's params and
-buffers from rank 0, as DDP does (buffers again before each forward that syncs grads,
-DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the optimizer:
+buffers from rank 0, as DDP does (buffers again after each syncing backward, DDP's
+``broadcast_buffers``, unless turned off: [Note: buffers after a syncing backward]), and
+hooks every param of the optimizer:
 
 - **Buckets.** The trainable params, in reverse order of the bound module's registration
   (DDP's order, about the order a backward finishes them), are cut into buckets of at most
@@ -38,8 +39,10 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
   gloo point to point one: starting a reduce-scatter finishes the one holding the
   receive scratch, [Note: reduce-scatter scratch] in _comm.py). The first reduction of a
   bucket since the step sums this rank's range straight into its *shard* (the bucket's
-  owned range, in the bucket's dtype, kept until the step); a later one (accumulation)
-  adds its average into the shard when it finishes. A finished bucket goes back to the
+  owned range, kept until the step; float32 for a 16-bit bucket by default: [Note: what
+  stage 2 accumulates in]); a later one (accumulation) adds its average into the shard, as
+  it sums into a float32 shard, or when it finishes into one of the bucket's dtype. A
+  finished bucket goes back to the
   pool ([Note: bucket pool]). Buckets alive at once: those in flight plus
   those being filled, usually one or two, each at most ``bucket_cap_mb`` (a bucket
   complete before an earlier one waits for it; a param larger than the cap is a bucket
@@ -47,6 +50,30 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
 - **Accumulation.** Every syncing backward adds into the shards (as DeepSpeed and
   Colossal-AI do). Under :meth:`Reducer.no_sync` the hooks do nothing: grads accumulate
   in ``p.grad`` and the next syncing backward reduces the sum.
+  [Note: what stage 2 accumulates in]
+  The shards of a bf16/fp16 bucket are float32 (``grad_accum_dtype="fp32"``, the default
+  of ``"auto"``), or the bucket's dtype (``"param"``). Each micro-batch's bucket is sent as
+  today, in 16 bits, each rank's values divided by N as they are copied in; the
+  point-to-point reduce-scatter (gloo, CPU) then sums this rank's range and each peer's
+  straight into the float32 shard, adding to what it holds ([Note: summing wider] in
+  _comm.py). So the shard holds the sum over ranks and micro-batches of the very bf16
+  grads autograd produced, with float32 roundings only; measured on a bf16 GPT-2 with 8
+  micro-batches, every element equal to the float64 sum rounded once to float32, and the
+  bf16 weights after 8 steps equal to a run stepped on that exact sum
+  (benchmarks/accumulation.py). In 16-bit shards, (g1a + g1b)/2 + (g2a + g2b)/2 is
+  rounded at every addition, and DDP's local accumulation (stage 1) rounds g1a + g2a
+  first: neither is the sum, and the two differ from each other and from it by about a
+  bf16 ulp in a third of the weights after 8 steps. NCCL's reduce-scatter sums in the
+  bucket's dtype; its 16-bit mean is added into the float32 shard (one 16-bit rounding per
+  micro-batch, none across them). Cost: 2/N more bytes per param (the shard), nothing on
+  the wire. The step reads float32 grads: the fp32 masters take them as they are (an
+  exact copy); without masters they are rounded once to the param's dtype; clipping and a
+  GradScaler's ``unscale_`` work on the float32 shards (so fp16 params can use a GradScaler,
+  which refuses to unscale 16-bit grads, as it still does with ``"param"``). Shards are
+  never saved, and a
+  trainability change re-plans them in the same dtype. ``"param"`` keeps stage 1's
+  arithmetic: bitwise stage 1's grads without accumulation or under ``no_sync()``
+  (``local_accumulation``), at 2/N bytes per param.
 - **Arming.** [Note: arming a backward] A forward hook on the bound module puts a prehook
   on the autograd node of each output tensor (torch's pytree: tuples, dicts, a transformers
   ``ModelOutput``), as DDP's ``_DDPSink`` does with a Function: the first to run is the
@@ -83,6 +110,51 @@ DDP's ``broadcast_buffers``, unless turned off), and hooks every param of the op
   one small all-reduce after a backward agrees on that, folded into clipping's norm or a
   GradScaler's inf check where there is one ([Note: agreeing on presence]). The step
   consumes the shards (as ``zero_grad`` would).
+- **p.grad.** [Note: p.grad stands in for the shards]
+  Under DDP the averaged grads live in ``p.grad``, so everything that clears ``p.grad``
+  drops them: ``module.zero_grad()`` of any submodule (the DCGAN loop clears D before G's
+  loss backpropagates through D, and again before D's next step), ``p.grad = None`` by hand,
+  ``zero_grad(set_to_none=False)``. torch has no hook for any of these; the only thing they
+  touch is ``p.grad``. So after each syncing backward every param of the reduced buckets
+  gets a *stand-in* in ``p.grad`` (every rank alike): a NaN expanded to the param's shape
+  from one element (no memory; kept from one backward to the next). What was done to it is
+  read back before the next backward accumulates (a tensor hook of each param, and the
+  arming), and before the step or clipping reads the shards: set to None, this rank's
+  elements of the param's grad are zeroed in the shard and the param has no grad since the
+  step (the step skips it, as torch's optimizers skip a grad of None: no weight decay, no
+  moments); zeroed in place, its elements are zeroed and it keeps a grad; replaced by
+  another tensor or changed otherwise, it is an error that names the fix (the shards cannot
+  follow). Reading a stand-in gives NaN, and an in-place op other than ``zero_()`` on it
+  raises (torch refuses writes to an expanded tensor): code that reads or scales ``p.grad``
+  between backward and step (``torch.nn.utils.clip_grad_norm_``) fails loudly rather than
+  seeing nothing. The step and ``zero_grad`` take the stand-ins out again.
+- **Buffers.** [Note: buffers after a syncing backward]
+  DDP broadcasts rank 0's buffers at the start of a forward when the forward before it
+  synced grads (``require_forward_param_sync``): the next training forward, also the first
+  one of an accumulation's micro-batches under ``no_sync()``. Under Trainer the model that
+  callbacks get is the bound module itself, so a broadcast at a forward would also run in
+  a callback's forward on rank 0 alone (a sample loss, generation) and every rank would
+  wait for the collective timeout: a forward must run no collective. So rank 0's buffers
+  are sent at the end of each syncing backward, where every rank is, and each other rank
+  takes them at its next grad-mode forward: the forward DDP would have broadcast before.
+  Training forwards read what they read under DDP, buffers saved for the backward are
+  never written during it, and evaluation under ``no_grad`` between steps reads each
+  rank's own buffers, as under Trainer + DDP. Two differences remain: what rank 0 changes
+  in its buffers between a syncing backward and the next training forward (a forward on
+  rank 0 alone in train mode) reaches the other ranks one syncing backward later; and
+  buffers made to differ after ``bind_module`` are not overwritten before the first
+  forward (DDP's first forward broadcasts), only from the second.
+- **Several optimizers.** [Note: several optimizers over one module]
+  Each stage-2 optimizer bound to a module reduces its own params' grads (a backbone and a
+  head with optimizers of their own); the trainable params must be covered by them, which
+  is checked at the first forward (not at a bind: the next optimizer may hold the rest).
+  ``no_sync()`` suspends every one, and only the first bound broadcasts buffers. gloo
+  matches collectives by order, and two reducers' buckets would complete in an order that
+  depends on each rank's graph: so the first reducer armed in a backward reduces its
+  buckets as they complete, and every other one armed while it is (one optimizer per
+  module of a GAN too) reduces all of its buckets at its own end of the backward; the ends
+  run in the order the reducers armed, so every rank starts the same collectives in the
+  same order.
 - **GradScaler.** :meth:`Reducer.unscale_` unscales the shards and agrees on inf/NaN over
   every rank's shard (one MAX all-reduce), for a GradScaler routed to it
   ([Note: GradScaler over sharded grads] in integrations/amp.py). When the scaler then
@@ -101,12 +173,33 @@ import torch
 from ._binding import Binding, Hook
 from ._comm import Comm, early_divisor
 from ._engine import (
-    grad_accumulator, graph_task_id, queue_end_of_backward, reentrant_region_below, running_node, tree_tensors, will_run,
+    grad_accumulator, graph_task_id, queue_end_of_backward, reentrant_region_below, running_node, tree_tensors,
+    version_of, will_run,
 )
 from ._layout import Layout, Piece, plan_layout
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
 MAX_IN_FLIGHT = 2  # buckets being reduce-scattered at once (see the note)
+GRAD_ACCUM_DTYPES = ("auto", "fp32", "param")  # [Note: what stage 2 accumulates in]
+AUTO_GRAD_ACCUM_DTYPE = "fp32"
+
+
+def accumulate_dtype(choice: str, stage: int) -> torch.dtype | None:
+    """The reducer's ``accumulate_dtype`` for ``grad_accum_dtype=choice`` (float32, or None: the
+    grads' own dtype); a clear ``ValueError`` for anything else, or for a choice under stage 1."""
+    if not isinstance(choice, str) or choice not in GRAD_ACCUM_DTYPES:
+        raise ValueError(f"grad_accum_dtype must be one of {GRAD_ACCUM_DTYPES}, got {choice!r}")
+    if stage != 2 and choice != "auto":
+        raise ValueError(f"grad_accum_dtype={choice!r} is a stage=2 option (stage 1 accumulates as DDP does, in "
+                         "the grads' dtype): pass stage=2 or leave grad_accum_dtype='auto'")
+    resolved = AUTO_GRAD_ACCUM_DTYPE if choice == "auto" else choice
+    return torch.float32 if resolved == "fp32" else None
+
+
+def shard_dtype(accumulate_dtype: torch.dtype | None, bucket_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the shards of a bucket of ``bucket_dtype`` (:func:`accumulate_dtype`'s float32
+    widens 16-bit ones only): [Note: what stage 2 accumulates in]."""
+    return torch.float32 if accumulate_dtype == torch.float32 and bucket_dtype.itemsize < 4 else bucket_dtype
 
 
 def plan_buckets(specs, cap_bytes: int, order=None) -> tuple[tuple[int, ...], ...]:
@@ -206,6 +299,12 @@ class _SinceStep:
     def settle(self, reduced: torch.Tensor) -> None:
         self.agreed = frozenset((reduced > 0).nonzero().flatten().tolist())
 
+    def drop(self, i: int) -> None:
+        """Param ``i`` has no grad since the step (on this rank; agreed ones too)."""
+        self.touched.discard(i)
+        if self.agreed is not None:
+            self.agreed = self.agreed - {i}
+
 
 class ShardedGrads:
     """This rank's averaged grads since the last step, per piece of :attr:`layout`: :meth:`held`,
@@ -224,7 +323,7 @@ class ShardedGrads:
     :meth:`agree` runs it alone."""
 
     def __init__(self, plan: _Plan, shards: list, since: _SinceStep, comm: Comm, count: int):
-        self.layout = plan.layout
+        self.layout, self.device = plan.layout, comm.device
         self.pieces: list[Piece] = plan.layout.pieces(comm.rank)
         self._plan, self._shards, self._since, self._comm, self._count = plan, shards, since, comm, count
 
@@ -259,26 +358,28 @@ class ShardedGrads:
 
 
 class Reducer:
-    """See [Note: stage 2 reducer]. ``table``: a callable returning the optimizer's
-    ParamTable (held weakly by the caller); ``shard``: its shard mode."""
+    """See [Note: stage 2 reducer]. ``table``: a callable returning the optimizer's ParamTable (held weakly
+    by the caller); ``shard``: its shard mode; ``accumulate_dtype``: see :func:`shard_dtype`."""
 
-    def __init__(self, comm: Comm, table, shard: str):
-        self.comm = comm
+    def __init__(self, comm: Comm, table, shard: str, accumulate_dtype: torch.dtype | None = None):
+        self.comm, self.accumulate_dtype = comm, accumulate_dtype
         self._table = table
         self._shard = shard
         self.cap_bytes = int(DEFAULT_BUCKET_CAP_MB * (1 << 20))
         self.module_ref = None
-        self._binding: Binding | None = None  # while bound
         self._plan: _Plan | None = None
         self._plan_key = None
         self._accumulators: dict = {}  # param index -> its AccumulateGrad node, per plan
         self._suspended = False  # inside no_sync()
         self._broadcast_buffers = False
-        self._seen = 0  # params of the table looked at (add_param_group appends)
-        self._unhooked: list[int] = []  # frozen ones among them: no hook yet
+        self._buffers = _ReceivedBuffers()
+        self._param_hooks: _ParamHooks | None = None  # while bound
+        self._coverage_due, self.local_accumulation = False, True  # bound with params it does not hold; see bind
+        self._deferred = False  # this backward reduces at its end only: [Note: several optimizers over one module]
+        self._stand_ins = _StandIns()
+        weakref.finalize(self, self._stand_ins.clear)  # none left in p.grad once this reducer is gone
         # This backward (between its arming and its end).
-        self._armed = False
-        self._left: list[int] = []  # per buffer: grads still to come this backward
+        self._armed, self._left = False, []  # _left: per buffer, grads still to come this backward
         self._pending: set[int] = set()  # params counted in _left that have not come yet
         self._placed: set[int] = set()  # params whose grad is in their bucket this backward
         self._regions_cache: tuple = (None, False)  # (unreached params, reentrant regions below)
@@ -306,52 +407,35 @@ class Reducer:
              local_accumulation: bool = True) -> None:
         """``local_accumulation=False``: the module's ``no_sync()`` does nothing, so every backward
         reduces into the shards (Accelerate's ``accumulate`` and Trainer enter it on every
-        micro-batch but the last). Every hook and the ``no_sync`` attribute go through ``binding``,
-        whose ``close()`` removes them and unbinds ([Note: a binding ends with its run])."""
+        micro-batch but the last). Every hook goes through ``binding``, whose ``close()`` removes
+        them and unbinds ([Note: a binding ends with its run]); the module's forward hooks and
+        ``no_sync`` are shared by the reducers bound to it ([Note: several optimizers over one module])."""
         if self.module_ref is not None and self.module_ref() is module:
             return
+        others = _refuse_binding(module, self.module_ref, cap_bytes=cap_bytes, local_accumulation=local_accumulation)
         table = self._table()
-        _check_bindable(module, table, bound=self.module_ref is not None, cap_bytes=cap_bytes)
+        self._coverage_due = any(p.requires_grad and table.index(p) is None for p in module.parameters())
         self.cap_bytes = cap_bytes
-        seen, tensors = set(), []
-        for t in [*table.params, *module.parameters(), *module.buffers()]:
-            if id(t) not in seen:
-                seen.add(id(t))
-                tensors.append(t.data)
-        with torch.no_grad():
-            self.comm.broadcast_(tensors, src=0, what="broadcasting parameters and buffers from rank 0")
-        self._binding = binding
+        self.local_accumulation = local_accumulation
+        _broadcast_at_bind(self.comm, [*table.params, *module.parameters(), *module.buffers()])
+        self._param_hooks = _ParamHooks(self, binding)
         binding.on_close(self._unbound)
-        self._hook_params()
-        self._broadcast_buffers = broadcast_buffers and self.comm.world_size > 1 and any(True for _ in module.buffers())
-        before, after = _forward_hooks()
-        _BOUND[module] = weakref.ref(self)
-        binding.keep(module.register_forward_pre_hook(before))
-        binding.keep(module.register_forward_hook(after))
+        self._param_hooks.hook(table.params)
+        self._broadcast_buffers = (broadcast_buffers and self.comm.world_size > 1 and not others
+                                   and any(True for _ in module.buffers()))
         self.module_ref = weakref.ref(module)
         self._plan_key = None  # planned again, in the module's order
-        binding.set_attribute(module, "no_sync", _NoSync(self if local_accumulation else None))
+        _attach(module, self)
 
     def _unbound(self) -> None:
-        """The binding closed (its handles are removed next): forget the module, so that a later bind
-        hooks everything again."""
+        """The binding closed (its handles are removed next): drop the grads not stepped (the stand-ins
+        leave ``p.grad``) and forget the module, so that a later bind hooks everything again."""
         module = self.module_ref() if self.module_ref is not None else None
-        if module is not None and _reducer_of(module) is self:
-            del _BOUND[module]
-        self.module_ref, self._binding = None, None
-        self._seen, self._unhooked, self._plan_key, self._accumulators = 0, [], None, {}
-
-    def _hook_params(self) -> None:
-        """Hook the params that need a grad and have no hook yet: at bind, then before each forward
-        (torch refuses a hook on a frozen param: it gets its own once unfrozen; ``add_param_group``
-        appends params)."""
-        params = self._table().params
-        self._unhooked.extend(range(self._seen, len(params)))
-        self._seen = len(params)
-        if any(params[i].requires_grad for i in self._unhooked):
-            for i in [i for i in self._unhooked if params[i].requires_grad]:
-                self._binding.keep(params[i].register_post_accumulate_grad_hook(_GradHook(self, i)))
-            self._unhooked = [i for i in self._unhooked if not params[i].requires_grad]
+        self.step_taken()
+        self.module_ref, self._param_hooks, self._coverage_due = None, None, False
+        self._plan_key, self._accumulators = None, {}
+        if module is not None:
+            _detach(module)
 
     @property
     def suspended(self) -> bool:
@@ -391,10 +475,10 @@ class Reducer:
             return
         if self._armed:
             self._abandon()
-        self._hook_params()
-        if self._broadcast_buffers and torch.is_grad_enabled() and not self._suspended:
-            with torch.no_grad():
-                self.comm.broadcast_([b for b in module.buffers()], src=0, what="broadcasting buffers from rank 0")
+        if self._coverage_due:
+            self._coverage_due = _check_coverage(module)  # False, or it raises
+        self._param_hooks.hook(self._table().params)
+        self._buffers.take()
 
     def after_forward(self, output):
         """The bound module's forward hook: arm the backward of ``output`` at its start (unless
@@ -408,13 +492,11 @@ class Reducer:
             # Nothing of this forward needs a grad (this rank's control flow used no trainable
             # param): give its float outputs one so that the backward still arms here and
             # this rank joins the other ranks' reduce-scatters (with zeros).
-            floats = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            if not floats or not self._current_plan().where:
+            if not self._current_plan().where:
                 return None
-            anchor = torch.empty(0, requires_grad=True)
-            for k, t in zip(floats, _Anchored.apply(anchor, *(leaves[k] for k in floats))):
-                leaves[k] = t
-            output, tensors = rebuild(leaves), [leaves[floats[0]]]
+            output, tensors = _anchored(leaves, rebuild)
+            if output is None:
+                return None
         self._since.forwarded |= not self._suspended
         hook = _arm(weakref.ref(self))
         for node in {t.grad_fn for t in tensors}:
@@ -448,6 +530,7 @@ class Reducer:
             self._launch_ready()
 
     def _begin(self, root) -> None:
+        self.settle(clear=True)
         if self._unscaled:  # unscaled, then no step (GradScaler skipped it on an inf): these grads are spent
             self.step_taken()
         plan = self._current_plan()
@@ -458,6 +541,8 @@ class Reducer:
                 "or zero_grad()"
             )
         self._armed, self._next, self._since.armed = True, 0, True
+        self._deferred = any(r is not self for r in _ARMED)
+        _ARMED.add(self)
         self._left, self._pending, self._placed = [0] * len(plan.sizes), set(), set()
         params, accumulators = self._table().params, self._accumulators
         unreached = []
@@ -479,9 +564,8 @@ class Reducer:
         self._launch_ready()
 
     def _reentrant_regions(self, root, unreached: list[int]) -> bool:
-        """Whether a reentrant checkpoint region will run below ``root``. The walk stops at the
-        first region (without one it sees the whole graph), and its answer is kept for as long as
-        the same params are unreached: see [Note: arming a backward]."""
+        """Whether a reentrant checkpoint region will run below ``root`` (the walk stops at the first; its
+        answer kept while the same params are unreached): see [Note: arming a backward]."""
         key = tuple(unreached)
         if self._regions_cache[0] != key:
             self._regions_cache = (key, reentrant_region_below(root))
@@ -540,6 +624,8 @@ class Reducer:
         return self._unpooled_bytes + self._pool.held_bytes
 
     def _launch_ready(self) -> None:
+        if self._deferred:
+            return
         while self._next < len(self._left) and self._left[self._next] == 0:
             self._launch(self._next)
 
@@ -555,18 +641,19 @@ class Reducer:
             self._finish(*self._in_flight.popleft())
         if self._reduced is not self._plan:
             self._shards, self._reduced = [None] * len(self._plan.sizes), self._plan
-        into = None
-        if b not in self._written:  # the first reduction since the step: straight into the shard
+        into, first, dtype = None, b not in self._written, shard_dtype(self.accumulate_dtype, buf.dtype)
+        if first or dtype != buf.dtype:  # straight into the shard: [Note: what stage 2 accumulates in]
             lo, hi = self._plan.owned[b]
             into = self._shards[b]
             if into is None:
-                into = self._shards[b] = torch.empty(hi - lo, dtype=buf.dtype, device=buf.device)
-        pending = self.comm.reduce_scatter_(buf, self._plan.layout.buffers[b].bounds, out=into, divided=divided)
+                into = self._shards[b] = torch.empty(hi - lo, dtype=dtype, device=buf.device)
+        pending = self.comm.reduce_scatter_(buf, self._plan.layout.buffers[b].bounds, out=into, divided=divided,
+                                            accumulate=into is not None and not first)
         self._in_flight.append((b, buf, base, into is not None, pending))
 
     def _finish(self, b: int, buf: torch.Tensor, base: torch.Tensor | None, direct: bool, pending) -> None:
         pending.wait()
-        if not direct:  # accumulating: this backward's average added to the shard's
+        if not direct:  # accumulating in the bucket's dtype: this backward's average added to the shard's
             lo, hi = self._plan.owned[b]
             self._shards[b].add_(buf[lo:hi])
         self._written.add(b)
@@ -588,6 +675,10 @@ class Reducer:
         while self._in_flight:
             self._finish(*self._in_flight.popleft())
         self._armed, self._since.agreed, self._pending = False, None, set()
+        _ARMED.discard(self)
+        self._stand_ins.place(params, [i for i in self._plan.where if params[i].grad is None and params[i].requires_grad])
+        if self._broadcast_buffers and self.module_ref() is not None:
+            self._buffers.receive(self.comm, list(self.module_ref().buffers()))
 
     def _abandon(self) -> None:
         """The armed backward never ended (it raised): finish the reductions it started (every
@@ -600,6 +691,16 @@ class Reducer:
                 self._pool.give(base)
         self._filling.clear()
         self._armed, self._since.agreed, self._pending, self._broken = False, None, set(), True
+        _ARMED.discard(self)
+
+    # -- p.grad between the backward and the step: [Note: p.grad stands in for the shards] ------
+    def settle(self, *, clear: bool) -> None:
+        """Follow what was done to the stand-ins in ``p.grad``; ``clear``: a grad is about to be accumulated."""
+        if self._stand_ins:
+            for i, zeroed in self._stand_ins.settle(self._table(), clear=clear):
+                _zero_in_shards(self._reduced, self._shards, i)
+                if not zeroed:  # dropped: no grad since the step
+                    self._since.drop(i)
 
     # -- reading ---------------------------------------------------------------------------
     def sharded(self) -> ShardedGrads:
@@ -617,13 +718,9 @@ class Reducer:
                 "hf_zero stage 2: a backward raised before it finished since the last step: the gradients "
                 "hold part of it; call optimizer.zero_grad() before the next backward"
             )
+        self.settle(clear=False)
         table = self._table()
-        local = [table.label(i) for i, p in enumerate(table.params) if p.requires_grad and p.grad is not None]
-        if local:
-            raise RuntimeError(
-                f"hf_zero stage 2: {local[0]} has a gradient that was never reduced: the last backward before "
-                "the step (or clipping) ran under no_sync(), or the grad was set by hand"
-            )
+        _refuse_unreduced(table, self._stand_ins)
         self._since.check_answered()
         if self._reduced is None or not self._written:  # the same on every rank: nothing to agree on
             return ShardedGrads(self._current_plan(), [], _SinceStep(frozenset()), self.comm, len(table.params))
@@ -637,12 +734,8 @@ class Reducer:
         step or ``zero_grad`` comes first (after an inf GradScaler skips the step). Collective."""
         grads = self.sharded()  # its checks
         written = sorted(self._written) if self._reduced is not None else []  # the same buffers on every rank
-        if not allow_fp16 and any(self._reduced.layout.buffers[b].dtype == torch.float16 for b in written):
-            raise ValueError("Attempting to unscale FP16 gradients.")  # torch's GradScaler.unscale_, word for word
-        local = _unscaled_non_finite([self._shards[b] for b in written], inv_scale, self.comm.device)
-        # the step's agreement rides along: [Note: agreeing on presence]
-        local = grads.all_reduce_along(local, op="max", what="agreeing on non-finite gradients (GradScaler)")
-        found_inf.copy_(torch.maximum(found_inf, local.to(found_inf.device)))
+        _unscale(grads, [self._shards[b] for b in written], [self._shards[b].dtype for b in written],
+                 inv_scale, found_inf, allow_fp16=allow_fp16)
         self._unscaled = True
 
     def step_taken(self) -> None:
@@ -651,9 +744,217 @@ class Reducer:
             self._abandon()
         self._broken = False
         self._unscaled = False
+        self._stand_ins.clear()
         self._written.clear()
         self._since = _SinceStep()
         self.peak_bucket_bytes = self.held_bucket_bytes
+
+
+# [Note: several optimizers over one module]
+_BOUND: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()  # module -> its reducers
+_ARMED: "weakref.WeakSet[Reducer]" = weakref.WeakSet()  # reducers whose backward is under way
+_HOOKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()  # its forward hooks
+
+
+def _attach(module: torch.nn.Module, reducer: Reducer) -> None:
+    """``reducer`` (bound to ``module`` now) joins the reducers of ``module``: the forward hooks, registered by
+    the first, call every one; ``no_sync`` suspends every one."""
+    _BOUND[module] = [*map(weakref.ref, _reducers_of(module)), weakref.ref(reducer)]
+    if module not in _HOOKED:
+        before, after = _forward_hooks()
+        _HOOKED[module] = (module.register_forward_pre_hook(before), module.register_forward_hook(after))
+    module.no_sync = _NoSync(_reducers_of(module) if reducer.local_accumulation else ())
+
+
+def _detach(module: torch.nn.Module) -> None:
+    """A reducer of ``module`` was unbound: the others keep the forward hooks and a ``no_sync`` of their own;
+    the last one leaves the module as it found it ([Note: a binding ends with its run])."""
+    live = _reducers_of(module)
+    if live:
+        _BOUND[module] = [weakref.ref(r) for r in live]
+        module.no_sync = _NoSync(live if live[0].local_accumulation else ())
+        return
+    _BOUND.pop(module, None)
+    for handle in _HOOKED.pop(module, ()):
+        handle.remove()
+    if isinstance(module.__dict__.get("no_sync"), _NoSync):
+        del module.no_sync
+
+
+def _reducers_of(module: torch.nn.Module) -> list[Reducer]:
+    """The live reducers bound to ``module``, in the order they were bound."""
+    found = (ref() for ref in _BOUND.get(module, ()))
+    return [r for r in found if r is not None and r.module_ref is not None and r.module_ref() is module]
+
+
+def _refuse_binding(module: torch.nn.Module, bound_ref, *, cap_bytes: int, local_accumulation: bool) -> list:
+    """Refuse a bind before anything changes; return the other reducers bound to ``module``."""
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            "bind_module: stage=2 takes gradient synchronisation over from DistributedDataParallel; "
+            "pass the unwrapped module (model.module) and do not wrap it in DDP"
+        )
+    if bound_ref is not None:
+        raise ValueError("bind_module: this optimizer is already bound to another module; call optimizer.unbind() first")
+    others = _reducers_of(module)
+    if getattr(module, "no_sync", None) is not None and not others and not isinstance(module.no_sync, _NoSync):
+        raise ValueError(f"bind_module: {type(module).__name__} already has a no_sync attribute")
+    if any(o.local_accumulation != local_accumulation for o in others):
+        raise ValueError(
+            "bind_module: local_accumulation must be the same for every optimizer bound to one module "
+            f"(another one bound it with local_accumulation={not local_accumulation})"
+        )
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket_cap_mb must be positive, got {cap_bytes / (1 << 20)}")
+    return others
+
+
+def _broadcast_at_bind(comm: Comm, tensors: list) -> None:
+    """Rank 0's values of these params and buffers (each once), as DDP's constructor does."""
+    unique = list({id(t): t.data for t in tensors}.values())
+    with torch.no_grad():
+        comm.broadcast_(unique, src=0, what="broadcasting parameters and buffers from rank 0")
+
+
+def _check_coverage(module: torch.nn.Module) -> bool:
+    """At the first forward after a bind that left some of ``module``'s trainable params to other
+    optimizers: every one must be held by a stage-2 optimizer bound to it (False: checked)."""
+    tables = [r._table() for r in _reducers_of(module)]
+    missing = [n for n, p in module.named_parameters() if p.requires_grad and all(t.index(p) is None for t in tables)]
+    if missing:
+        raise ValueError(
+            f"hf_zero stage 2: trainable params of the bound model are in no stage-2 optimizer bound to it: "
+            f"{missing[:5]} (their grads would never be averaged); give them to an optimizer (frozen params "
+            "may be given too) and bind every optimizer to the model (optimizer.bind_module(model), or "
+            "accelerator.prepare(model, *optimizers)), or freeze them"
+        )
+    return False
+
+
+def _zero_in_shards(plan: _Plan | None, shards: list, i: int) -> None:
+    """Zero param ``i``'s elements in this rank's ``shards`` (of ``plan``)."""
+    if plan is not None and i in plan.where:
+        b, offset, numel = plan.where[i]
+        lo, hi = plan.owned[b]
+        a, z = max(offset, lo), min(offset + numel, hi)
+        if a < z and shards[b] is not None:
+            shards[b][a - lo : z - lo].zero_()
+
+
+class _StandIns:
+    """What ``p.grad`` holds between a syncing backward and the step: see [Note: p.grad stands in for the shards]."""
+
+    def __init__(self):
+        self._standing: dict[int, tuple] = {}  # param index -> (the param, its stand-in in p.grad, its version then)
+        self._kept: dict[int, torch.Tensor] = {}  # reused from one backward to the next while untouched
+
+    def __bool__(self) -> bool:
+        return bool(self._standing)
+
+    def holds(self, i: int, p: torch.Tensor) -> bool:
+        """Whether ``p.grad`` (param ``i``) is its stand-in."""
+        return i in self._standing and p.grad is self._standing[i][1]
+
+    def place(self, params, indices) -> None:
+        """Put the stand-ins of these params (whose ``p.grad`` is None) in ``p.grad``."""
+        for i in indices:
+            p, s = params[i], self._kept.get(i)
+            if s is None or s.shape != p.shape or s.dtype != p.dtype or s.device != p.device or version_of(s):
+                s = self._kept[i] = torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
+            p.grad = s
+            self._standing[i] = (p, s, version_of(s))
+
+    def settle(self, table, *, clear: bool) -> list[tuple[int, bool]]:
+        """What was done to the stand-ins since they were placed: (param index, zeroed rather than
+        dropped) for each set to None (dropped) or zeroed in place; anything else raises. ``clear``:
+        a backward starts: take the stand-ins out of ``p.grad`` (autograd accumulates into it)."""
+        params, changed = table.params, []
+        for i, (_, s, version) in list(self._standing.items()):
+            g = params[i].grad
+            if g is s and version_of(s) == version:
+                pass
+            elif g is None:
+                changed.append((i, False))
+                del self._standing[i]
+                continue
+            elif g is not s:
+                raise RuntimeError(
+                    f"hf_zero stage 2: the grad of {table.label(i)} was replaced by hand after the backward; "
+                    "under stage 2 the averaged grads live in the optimizer's shards and p.grad only stands in "
+                    "for them: set p.grad = None (or zero_grad()) to drop a grad, zero_() it to zero it, clip "
+                    "with optimizer.clip_grad_norm_ / clip_grad_value_, or use stage=1"
+                )
+            elif bool(s.reshape(-1)[:1].ne(0).any()):
+                raise RuntimeError(
+                    f"hf_zero stage 2: the grad of {table.label(i)} was changed in place after the backward; "
+                    "under stage 2 p.grad only stands in for the sharded grad: set it to None or zero_() it, clip "
+                    "with optimizer.clip_grad_norm_ / clip_grad_value_ (not torch.nn.utils'), or use stage=1"
+                )
+            else:
+                changed.append((i, True))
+                self._standing[i] = (params[i], s, version_of(s))
+            if clear:
+                params[i].grad = None
+                del self._standing[i]
+        return changed
+
+    def clear(self) -> None:
+        """The grads are spent (a step, ``zero_grad``, the reducer is gone): the stand-ins leave ``p.grad``."""
+        for p, s, _ in self._standing.values():
+            if p.grad is s:
+                p.grad = None
+        self._standing = {}
+
+
+class _ReceivedBuffers:
+    """Rank 0's buffers, received after a syncing backward, for the next grad-mode forward to take:
+    see [Note: buffers after a syncing backward]."""
+
+    def __init__(self):
+        self._received: tuple | None = None  # (the buffers, rank 0's values of them)
+
+    def receive(self, comm: Comm, buffers: list) -> None:
+        """Collective: rank 0 sends its buffers (rank 0 takes nothing)."""
+        if comm.rank == 0:
+            with torch.no_grad():
+                comm.broadcast_(buffers, src=0, what="broadcasting buffers from rank 0")
+            return
+        held = self._received[1] if self._received is not None else ()
+        if [(v.shape, v.dtype, v.device) for v in held] != [(b.shape, b.dtype, b.device) for b in buffers]:
+            held = [torch.empty_like(b) for b in buffers]
+        with torch.no_grad():
+            comm.broadcast_(held, src=0, what="broadcasting buffers from rank 0")
+        self._received = (buffers, held)
+
+    def take(self) -> None:
+        """Before a grad-mode forward: copy what was received into the buffers (once)."""
+        if self._received is not None and torch.is_grad_enabled():
+            (buffers, values), self._received = self._received, None
+            with torch.no_grad():
+                for b, v in zip(buffers, values):
+                    b.copy_(v)
+
+
+def _refuse_unreduced(table, stand_ins: "_StandIns") -> None:
+    """Raise if a param holds a grad that was never reduced (not its stand-in)."""
+    local = [table.label(i) for i, p in enumerate(table.params)
+             if p.requires_grad and p.grad is not None and not stand_ins.holds(i, p)]
+    if local:
+        raise RuntimeError(
+            f"hf_zero stage 2: {local[0]} has a gradient that was never reduced: the last backward before "
+            "the step (or clipping) ran under no_sync(), or the grad was set by hand"
+        )
+
+
+def _unscale(grads: ShardedGrads, shards: list, dtypes: list, inv_scale: torch.Tensor, found_inf: torch.Tensor, *,
+             allow_fp16: bool) -> None:
+    """The body of :meth:`Reducer.unscale_` over the ``shards`` written since the step (their ``dtypes``)."""
+    if not allow_fp16 and torch.float16 in dtypes:
+        raise ValueError("Attempting to unscale FP16 gradients.")  # torch's GradScaler.unscale_, word for word
+    local = _unscaled_non_finite(shards, inv_scale, grads.device)
+    # the step's agreement rides along: [Note: agreeing on presence]
+    local = grads.all_reduce_along(local, op="max", what="agreeing on non-finite gradients (GradScaler)")
+    found_inf.copy_(torch.maximum(found_inf, local.to(found_inf.device)))
 
 
 def _unscaled_non_finite(shards: list, inv_scale: torch.Tensor, device) -> torch.Tensor:
@@ -728,50 +1029,23 @@ class _BucketPool:
             self.held_bytes -= base.nbytes
 
 
-def _check_bindable(module: torch.nn.Module, table, *, bound: bool, cap_bytes: int) -> None:
-    """Refuse, before anything changes, a module :meth:`Reducer.bind` cannot bind."""
-    if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-        raise TypeError(
-            "bind_module: stage=2 takes gradient synchronisation over from DistributedDataParallel; "
-            "pass the unwrapped module (model.module) and do not wrap it in DDP"
-        )
-    if bound:
-        raise ValueError("bind_module: this optimizer is already bound to another module; call optimizer.unbind() first")
-    if _reducer_of(module) is not None:
-        raise ValueError(f"bind_module: this {type(module).__name__} is bound to another stage-2 optimizer; call "
-                         "unbind() on that one first (Trainer and Accelerate unbind when training ends)")
-    if getattr(module, "no_sync", None) is not None and not isinstance(module.no_sync, _NoSync):
-        raise ValueError(f"bind_module: {type(module).__name__} already has a no_sync attribute")
-    if cap_bytes <= 0:
-        raise ValueError(f"bucket_cap_mb must be positive, got {cap_bytes / (1 << 20)}")
-    missing = [n for n, p in module.named_parameters() if p.requires_grad and table.index(p) is None]
-    if missing:
-        raise ValueError(
-            f"bind_module: trainable params of the module are not in the optimizer: {missing[:5]}; "
-            "give the optimizer every param (frozen ones too) or freeze these"
-        )
-
-
-# module -> its reducer (weakly both ways): the forward hooks look their reducer up by the module they are
-# called with, so a copy of a bound module (copy.deepcopy shares functions, torch.save pickles them by name)
-# finds none and is not bound ([Note: a binding ends with its run] in _binding.py)
-_BOUND: "weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
-
-
-def _reducer_of(module: torch.nn.Module) -> "Reducer | None":
-    ref = _BOUND.get(module)
-    return None if ref is None else ref()
-
-
 def _before_forward(module: torch.nn.Module, args) -> None:
-    reducer = _reducer_of(module)
-    if reducer is not None:
+    """The forward pre-hook of a bound module (registered once, for every reducer bound to it): it finds
+    the reducers by the module it is called with, so a copy of a bound module (``copy.deepcopy`` shares
+    functions, ``torch.save`` pickles them by name) finds none and is not bound ([Note: a binding ends
+    with its run] in _binding.py)."""
+    for reducer in _reducers_of(module):
         reducer.before_forward(module)
 
 
 def _after_forward(module: torch.nn.Module, args, output):
-    reducer = _reducer_of(module)
-    return None if reducer is None else reducer.after_forward(output)
+    """The forward hook of a bound module (as :func:`_before_forward`): each reducer's, in bind order, on
+    the output the one before returned, as torch chains hooks."""
+    changed = None
+    for reducer in _reducers_of(module):
+        out = reducer.after_forward(output if changed is None else changed)
+        changed = changed if out is None else out
+    return changed
 
 
 def _forward_hooks():
@@ -799,20 +1073,28 @@ def _eager(hook):
 
 
 class _NoSync(Hook):
-    """The bound module's ``no_sync`` attribute: the reducer's :meth:`Reducer.no_sync` (None: a
-    ``nullcontext``, ``local_accumulation=False``). A copy of the module gets one that does nothing."""
+    """A bound module's ``no_sync`` attribute: every bound reducer's :meth:`Reducer.no_sync` at once (none
+    under ``local_accumulation=False``: a ``nullcontext``). A copy of the module gets one that does nothing."""
 
-    __slots__ = ("_reducer",)
+    __slots__ = ("_refs",)
 
-    def __init__(self, reducer: "Reducer | None"):
-        self._reducer = None if reducer is None else weakref.ref(reducer)
+    def __init__(self, reducers=()):
+        self._refs = tuple(weakref.ref(r) for r in reducers)
 
     def __call__(self):
-        reducer = None if self._reducer is None else self._reducer()
-        return contextlib.nullcontext() if reducer is None else reducer.no_sync()
+        live = [r for r in (ref() for ref in self._refs) if r is not None]
+        return _suspended(live) if live else contextlib.nullcontext()
 
     def __reduce__(self):
-        return (_NoSync, (None,))
+        return (_NoSync, ())
+
+
+@contextlib.contextmanager
+def _suspended(reducers: list):
+    with contextlib.ExitStack() as stack:
+        for reducer in reducers:
+            stack.enter_context(reducer.no_sync())
+        yield
 
 
 def _arm(reducer_ref):
@@ -822,6 +1104,18 @@ def _arm(reducer_ref):
             reducer.arm(running_node())
 
     return arm
+
+
+def _anchored(leaves: list, rebuild) -> tuple:
+    """(the output rebuilt from ``leaves`` with its float tensors through :class:`_Anchored`, one of
+    them), or (None, None) when it has none."""
+    floats = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not floats:
+        return None, None
+    anchor = torch.empty(0, requires_grad=True)
+    for k, t in zip(floats, _Anchored.apply(anchor, *(leaves[k] for k in floats))):
+        leaves[k] = t
+    return rebuild(leaves), [leaves[floats[0]]]
 
 
 class _Anchored(torch.autograd.Function):
@@ -835,6 +1129,43 @@ class _Anchored(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return (None, *grads)
+
+
+class _ParamHooks:
+    """A bound reducer's hooks on its params, kept in its binding: each param that needs a grad gets
+    them at bind, or before the first forward it needs one (torch refuses a hook on a frozen param:
+    it gets its own once unfrozen; ``add_param_group`` appends params)."""
+
+    def __init__(self, reducer: Reducer, binding: Binding):
+        self._reducer, self._binding = weakref.ref(reducer), binding
+        self._seen = 0  # params of the table looked at
+        self._unhooked: list[int] = []  # frozen ones among them: no hook yet
+
+    def hook(self, params: list) -> None:
+        """Hook the params that need a grad and have no hook yet."""
+        self._unhooked.extend(range(self._seen, len(params)))
+        self._seen = len(params)
+        reducer = self._reducer()
+        if reducer is not None and any(params[i].requires_grad for i in self._unhooked):
+            for i in [i for i in self._unhooked if params[i].requires_grad]:
+                self._binding.keep(params[i].register_hook(_BeforeAccumulating(reducer)))
+                self._binding.keep(params[i].register_post_accumulate_grad_hook(_GradHook(reducer, i)))
+            self._unhooked = [i for i in self._unhooked if not params[i].requires_grad]
+
+
+class _BeforeAccumulating(Hook):
+    """A param's tensor hook: no stand-in may be in ``p.grad`` when autograd accumulates into it
+    ([Note: p.grad stands in for the shards]); the reducer is held weakly."""
+
+    __slots__ = ("_reducer",)
+
+    def __init__(self, reducer: Reducer):
+        self._reducer = weakref.ref(reducer)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        reducer = self._reducer()
+        if reducer is not None:
+            reducer.settle(clear=True)
 
 
 class _GradHook(Hook):

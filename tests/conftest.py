@@ -45,7 +45,7 @@ SLOW_MODULES = frozenset({
     "test_agreement", "test_harness", "test_cli", "test_chunked_pieces", "test_consolidation_reuse",
     "test_memory", "test_reduce_scatter", "test_bf16_models", "test_overlap", "test_stage2",
     "test_masters_edits", "test_stage2_graph", "test_stage2_hf", "test_stage2_compile",
-    "test_stage2_join", "test_run_clm", "test_binding",
+    "test_stage2_join", "test_run_clm", "test_stage2_accumulation", "test_stage2_semantics", "test_binding",
 })
 
 

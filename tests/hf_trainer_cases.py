@@ -147,6 +147,32 @@ class SaveOnEvaluate(TrainerCallback):
         control.should_save = True
 
 
+class SampleLossOnRank0(TrainerCallback):
+    """After every step, rank 0 alone runs a grad-mode forward of the ``model`` callbacks get (a
+    sample loss for logging), as a logging or generation callback does; no backward."""
+
+    def __init__(self):
+        self.losses = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if torch.distributed.get_rank() == 0:
+            batch = transformers.default_data_collator([TokenDataset(n=2, seed=3)[i] for i in range(2)])
+            self.losses.append(model(**batch).loss.item())
+
+
+class PredictBetweenSteps(TrainerCallback):
+    """``trainer.predict`` on every rank after steps 2 and 5 (``trainer`` set once built)."""
+
+    trainer = None
+
+    def __init__(self):
+        self.predictions = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step in (2, 5):
+            self.predictions.append(torch.from_numpy(self.trainer.predict(TokenDataset(n=8, seed=2)).predictions))
+
+
 def trainer_style_adamw(model, args) -> torch.optim.AdamW:
     """The reference: Trainer's default optimizer (``adamw_torch_fused``: torch AdamW, fused
     kernel) with Trainer's decay groups over *all* params (frozen too)."""
@@ -179,6 +205,8 @@ def run_trainer(
     evaluate=False,
     save_on_evaluate=False,
     grad_storages=False,
+    sample_loss_on_rank0=False,
+    predict_between_steps=False,
     **overrides,
 ):
     """One Trainer run; returns (final params, log_history, info) from this rank.
@@ -189,7 +217,9 @@ def run_trainer(
     is not applied), so the overlapped parameter sync runs into the next forward.
     ``evaluate``: an evaluation set (16 examples); ``save_on_evaluate``: a callback that
     sets ``control.should_save`` after each evaluation.
-    ``info`` also says which gradient path the optimizer took.
+    ``sample_loss_on_rank0``: a callback's grad-mode forward on rank 0 alone after every step;
+    ``predict_between_steps``: ``trainer.predict`` after steps 2 and 5 (``info``: the losses,
+    the predictions). ``info`` also says which gradient path the optimizer took.
     """
     if overrides.pop("one_process_per_node", False):  # as if each rank ran on a node of its own
         os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -249,6 +279,9 @@ def run_trainer(
     storages = GradStorages()
     if grad_storages:
         callbacks.append(storages)
+    sampling, predicting = SampleLossOnRank0(), PredictBetweenSteps()
+    callbacks += [sampling] if sample_loss_on_rank0 else []
+    callbacks += [predicting] if predict_between_steps else []
     trainer = (CpuGradScalerTrainer if overflow else InOrderTrainer)(
         model=model,
         args=args,
@@ -258,6 +291,7 @@ def run_trainer(
         optimizers=optimizers,
     )
     overlapping = _record_overlap(trainer)
+    predicting.trainer = trainer
     trainer.train(resume_from_checkpoint=resume)
     if plain_module:
         trainer.save_model()
@@ -271,6 +305,7 @@ def run_trainer(
     if isinstance(zero, hf_zero.ZeroBucketOptimizer):
         info.update(grad_reduce=zero.grad_reduce, overlap=overlapping[-1] if overlapping else None, stage=zero.gradient_path.stage)
     info["wrapped"] = type(trainer.model_wrapped).__name__
+    info.update(sample_losses=sampling.losses, predictions=predicting.predictions)
     return params, trainer.state.log_history, info
 
 

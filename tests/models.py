@@ -425,7 +425,7 @@ def stage2_memory_trace(model, rank: int, *, layer_bytes: int, steps: int = 3, s
         g = torch.Generator().manual_seed(step * 10 + rank)
         model(torch.randn(4, 32, generator=g, dtype=torch.float64)).backward()
         held = (sum(s.nbytes for s in reducer._shards if s is not None),) if shards else ()
-        seen.append((all(p.grad is None for p in model.parameters()), reducer.bucket_bytes,
+        seen.append((holds_no_grads(model.parameters()), reducer.bucket_bytes,
                      reducer.peak_bucket_bytes, reducer.held_bucket_bytes, *held, len(opt.gradient_path.wanted_buckets)))
         opt.step()
         opt.zero_grad()
@@ -442,3 +442,15 @@ def reference_clip(model, case, norms: list) -> None:
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip_norm).item())
     if case.clip_value is not None:
         torch.nn.utils.clip_grad_value_(model.parameters(), case.clip_value)
+
+
+def holds_grad(p) -> bool:
+    """Whether ``p.grad`` holds a gradient: not None, nor stage 2's stand-in for its sharded grad (an
+    expanded single element, [Note: p.grad stands in for the shards] in hf_zero/_stage2.py)."""
+    g = p.grad
+    return g is not None and not (g._is_view() and g._base.dim() == 0 and g.untyped_storage().nbytes() == g.element_size())
+
+
+def holds_no_grads(params) -> bool:
+    """Stage 2 after a syncing backward: no ``p.grad`` holds gradient memory."""
+    return not any(holds_grad(p) for p in params)

@@ -36,13 +36,13 @@ STEPS = 3
 
 def _hooks_and_attributes(model: nn.Module) -> list:
     """Everything a binding may leave on a module tree: per module its forward (pre-)hooks, state-dict
-    hooks and attribute names; per param its post-accumulate-grad hooks."""
+    hooks and attribute names; per param its post-accumulate-grad and tensor hooks."""
     out = []
     for name, m in model.named_modules():
         out.append((name, len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks),
                     len(m._state_dict_pre_hooks), sorted(m.__dict__)))
     for name, p in model.named_parameters():
-        out.append((name, len(p._post_accumulate_grad_hooks or {})))
+        out.append((name, len(p._post_accumulate_grad_hooks or {}), len(p._backward_hooks or {})))
     return out
 
 
@@ -116,14 +116,63 @@ def test_a_bound_module_pickles_and_deep_copies_and_the_copy_is_unbound(how):
 
 
 @pytest.mark.fast
-def test_binding_a_bound_module_again_names_the_fix():
+def test_binding_a_bound_optimizer_to_another_module_names_the_fix():
     model, opt = _bound_mlp(1)
-    other = hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, stage=2)
-    with pytest.raises(ValueError, match=r"bound to another stage-2 optimizer; call unbind\(\) on that one first"):
-        other.bind_module(model)
+    other_model = MLP()
+    with pytest.raises(ValueError, match=r"already bound to another module; call optimizer.unbind\(\) first"):
+        opt.bind_module(other_model)
+    assert _hooks_and_attributes(other_model) == _hooks_and_attributes(MLP())  # refused before anything changed
     opt.unbind()
-    other.bind_module(model)  # works once the first is unbound
-    _train(model, other, 1)
+    assert _hooks_and_attributes(model) == _hooks_and_attributes(MLP())
+
+
+@pytest.mark.fast
+def test_two_optimizers_on_one_module_unbind_one_at_a_time():
+    """Several stage-2 optimizers may bind one module: the one unbound first leaves the other's
+    hooks and no_sync working; the last one leaves the module as never bound."""
+    torch.manual_seed(0)
+    model = MLP()
+    params = list(model.parameters())  # the linears', then scale and unused
+    first = hf_zero.ZeroBucketOptimizer(params[-2:], torch.optim.AdamW, lr=1e-2, stage=2)
+    second = hf_zero.ZeroBucketOptimizer(params[:-2], torch.optim.AdamW, lr=1e-2, stage=2)
+    first.bind_module(model)
+    second.bind_module(model)
+    first.unbind()
+    for p in params[-2:]:
+        p.requires_grad_(False)  # no bound optimizer holds them now
+    with model.no_sync():  # the second's: its grads stay in p.grad
+        model(*model.batch(0, BATCH)).backward()
+    assert params[0].grad is not None and bool(torch.isfinite(params[0].grad).all())  # a local grad, not a stand-in
+    second.zero_grad()
+    twin = _copy_of(model)
+    for p in list(twin.parameters())[-2:]:
+        p.requires_grad_(False)
+    alone = hf_zero.ZeroBucketOptimizer(list(twin.parameters())[:-2], torch.optim.AdamW, lr=1e-2, stage=2)
+    alone.bind_module(twin)
+    _train(model, second, 2)
+    _train(twin, alone, 2)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin.parameters()))
+    second.unbind()
+    assert _hooks_and_attributes(model) == _hooks_and_attributes(MLP())
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("end", ["unbind", "collected"])
+def test_an_ended_binding_between_backward_and_step_leaves_no_stand_ins(end):
+    """Between a backward and the step p.grad holds stand-ins of the sharded grads: an ended binding
+    takes them out and leaves no hooks (a collected optimizer too: nothing on the module holds it)."""
+    model, opt = _bound_mlp(1)
+    model(*model.batch(1, BATCH)).backward()
+    assert all(p.grad is not None for p in model.parameters())  # the stand-ins
+    if end == "unbind":
+        opt.unbind()
+    else:
+        del opt
+        gc.collect()
+    assert all(p.grad is None for p in model.parameters())
+    assert _hooks_and_attributes(model) == _hooks_and_attributes(MLP())
+    fresh = _copy_of(model)
+    assert all(torch.equal(a, b) for a, b in zip(_torch_run(model), _torch_run(fresh)))
 
 
 @pytest.mark.fast

@@ -253,8 +253,8 @@ def test_bad_input_is_named(tmp_path, capsys, case, message):
     assert not os.path.exists(out) or os.listdir(out) == ["keep.txt"]
 
 
-def test_usage_doc_consolidate_lines_parse_as_documented():
-    with open(os.path.join(ROOT, "docs", "usage.md")) as f:
+def test_checkpoints_doc_consolidate_lines_parse_as_documented():
+    with open(os.path.join(ROOT, "docs", "checkpoints.md")) as f:
         lines = [line.split("#")[0].strip() for line in f if line.startswith("hf-zero consolidate")]
     assert sum("--weights" in line for line in lines) >= 2
     for line in lines:

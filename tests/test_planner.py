@@ -267,10 +267,14 @@ def test_master_weights_option_is_named():
         planner.plan([w], world_size=2, master_weights="yes")
 
 
-@pytest.mark.parametrize("dtype, analytic, itemsize", [("bfloat16", 2 + 14 / 8, 2), ("float32", 4 + 12 / 8, 4)])
-def test_stage2_llama_3_8b_bytes_per_param_at_8_ranks(capsys, dtype, analytic, itemsize):
+@pytest.mark.parametrize("dtype, accum, analytic, itemsize", [
+    ("bfloat16", "auto", 2 + 16 / 8, 4),  # fp32 grad shards ([Note: what stage 2 accumulates in])
+    ("bfloat16", "param", 2 + 14 / 8, 2),
+    ("float32", "auto", 4 + 12 / 8, 4),
+])
+def test_stage2_llama_3_8b_bytes_per_param_at_8_ranks(capsys, dtype, accum, analytic, itemsize):
     assert cli.main(["plan", "--model", "llama-3-8b", "--world-size", "8", "--dtype", dtype, "--stage", "2",
-                     "--json"]) == 0
+                     "--grad-accum-dtype", accum, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["stage"] == 2 and report["per_rank_common"]["grad_bytes"] == 0
     assert report["per_rank_common"]["reduce_bucket_bytes"] == 3 * 25 * 2**20
@@ -280,5 +284,5 @@ def test_stage2_llama_3_8b_bytes_per_param_at_8_ranks(capsys, dtype, analytic, i
     # params + the grad shard + masters and state for 1/N, + three 25 MiB reduce buckets and one of scratch
     assert analytic <= flat["bytes_per_param"] <= analytic + 0.015
     paper = report["references"]["zero_paper_stage2"]
-    assert (paper is None) if dtype == "float32" else paper["bytes_per_param"] == pytest.approx(analytic)
+    assert (paper is None) if dtype == "float32" else paper["bytes_per_param"] == pytest.approx(2 + 14 / 8)
     assert "stage" not in planner.plan([planner.NamedParam("w", (4, 7), True)], world_size=2)

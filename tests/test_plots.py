@@ -1,4 +1,4 @@
-"""The figures of docs/benchmarks.md render from a result (issue 19.8: plotting code runs in CI)."""
+"""``python -m benchmarks.memory``'s figures render from a result (plotting code runs in CI)."""
 
 import struct
 import zlib

@@ -150,3 +150,54 @@ def test_buckets_above_the_scratch_bound_come_in_pieces_bitwise(world_size):
         assert max(whole[0]) > bound  # without the bound the largest receive is bigger
         for (bounds, buf), (_, ref) in zip(bufs, whole[1]):
             assert torch.equal(buf, ref)  # the same sums in the same order: bitwise
+
+
+def _bf16_into_float32(rank, world_size, n):
+    """A bf16 bucket reduce-scattered into a float32 ``out`` by every primitive, then a second one added
+    (``accumulate``): [Note: summing wider] in _comm.py."""
+    comm = Comm()
+    bounds = [r * (n // world_size) for r in range(world_size + 1)]
+    lo, hi = bounds[rank], bounds[rank + 1]
+    out = {}
+    for how in ("send_recv", "all_to_all", "reduce_scatter", "all_reduce"):
+        comm.use_strategy(Strategy(reduce_scatter_by=how))
+        into = torch.full((hi - lo,), float("nan"), dtype=torch.float32)
+        comm.reduce_scatter_(_local(rank, n).bfloat16(), bounds, out=into).wait()
+        first = into.clone()
+        comm.reduce_scatter_(_local(rank + world_size, n).bfloat16(), bounds, out=into, accumulate=True).wait()
+        out[how] = (first, into)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_bf16_bucket_sums_in_float32_into_a_float32_out():
+    """Point-to-point (gloo's CPU path) sums two ranks' bf16 halves in float32, exactly (a/2 + b/2 of
+    two bf16 values needs at most 17 significant bits here), and ``accumulate`` adds the next bucket's
+    exact mean; the other primitives sum in bf16 and add their rounded mean (the documented limit)."""
+    n, world_size = 48, 2
+    per_rank = run_ranks(_bf16_into_float32, world_size, n, timeout=100)
+    halves = [[_local(r + k * world_size, n).bfloat16().double() / 2 for r in range(world_size)] for k in (0, 1)]
+    exact = [h[0] + h[1] for h in halves]
+    rounded = [e.bfloat16().double() for e in exact]
+    for rank, out in enumerate(per_rank):
+        lo, hi = rank * n // 2, (rank + 1) * n // 2
+        first, both = out["send_recv"]
+        assert torch.equal(first.double(), exact[0][lo:hi])
+        torch.testing.assert_close(both.double(), (exact[0] + exact[1])[lo:hi], rtol=2.0**-24, atol=0)
+        assert not torch.equal(rounded[0][lo:hi], exact[0][lo:hi])  # bf16 would have rounded the sum
+        for how in ("all_to_all", "reduce_scatter", "all_reduce"):
+            first, both = out[how]
+            assert torch.equal(first.double(), rounded[0][lo:hi]), how
+            torch.testing.assert_close(both.double(), (rounded[0] + rounded[1])[lo:hi], rtol=2.0**-24, atol=0)
+
+
+def test_accumulate_needs_a_float32_out_of_a_16_bit_bucket():
+    comm = Comm()  # world size 1: no process group needed
+    with pytest.raises(ValueError, match="or float32, as accumulate needs"):
+        comm.reduce_scatter_(torch.zeros(8, dtype=torch.bfloat16), [0, 8], out=torch.zeros(8, dtype=torch.bfloat16),
+                             accumulate=True)
+    with pytest.raises(ValueError, match="or float32, as accumulate needs"):
+        comm.reduce_scatter_(torch.zeros(8, dtype=torch.float64), [0, 8], out=torch.zeros(8), accumulate=True)
+    into = torch.ones(8)
+    comm.reduce_scatter_(torch.full((8,), 0.5, dtype=torch.bfloat16), [0, 8], out=into, accumulate=True).wait()
+    assert torch.equal(into, torch.full((8,), 1.5))

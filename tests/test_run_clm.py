@@ -33,7 +33,12 @@ itself is not in this repository (no PyPI artefact ships it, and hf_zero does no
 projects' code): point ``HF_ZERO_RUN_CLM`` at an unmodified copy, e.g. from a transformers
 checkout (``examples/pytorch/language-modeling/run_clm.py``), with ``evaluate`` installed (the
 script imports it; not in the test extras, as nothing else needs it); without them these tests skip,
-saying so. docs/stage2.md ("Unmodified scripts") records the runs made with it.
+saying so. Run with the script, the module's 9 tests passed. Distances seen then: ``stage=2,
+local_accumulation=true`` against ``adamw_torch_fused``: losses, learning rates and weights
+bitwise, ``grad_norm`` 1 ulp apart at 2 of 6 steps; ``stage=2`` (every micro-batch reduced):
+losses 1 ulp apart at 2 of 6 steps, weights at most 1.75e-6 apart; ``stage=2,inner=adamw``
+against ``adamw_torch``: weights at most 2.94e-6 apart. The two controls differ from each other
+by as much (weights 2.46e-6 apart).
 
 Exit: the script ends without destroying the process group, and a 2-process gloo run of torch
 2.13 can then abort at interpreter exit with any optimizer (DESIGN.md section 8, "Exit aborts";

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tests._dist import run_ranks
-from tests.models import BATCH, assert_params_equal, assert_replicas_identical, count_reduce_scatters
+from tests.models import BATCH, assert_params_equal, assert_replicas_identical, count_reduce_scatters, holds_no_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -41,7 +41,8 @@ WAYS = ("eager", "compile-after-bind", "bind-compiled", "accelerate")
 
 
 class Net(nn.Module):
-    """Two linears and a buffer the forward reads (broadcast from rank 0 before each forward)."""
+    """Two linears and a buffer the forward reads (rank 0's, received after each syncing backward and
+    taken at the next forward)."""
 
     def __init__(self):
         super().__init__()
@@ -103,16 +104,17 @@ def _run_way(rank, world_size, way):
 
         def clip(max_norm):
             return accelerator.clip_grad_norm_(forward.parameters(), max_norm)  # routed to the shards
-    with torch.no_grad():
-        model.mix.add_(rank)  # differs between ranks until the next forward's buffer broadcast
     scattered = count_reduce_scatters(opt)
     norms, freed, nodes = [], [], set()
     for step in range(STEPS):
+        if step:
+            with torch.no_grad():  # differs between ranks until the next forward takes rank 0's buffers
+                model.mix.add_(rank)
         x, y = _batch(step, BATCH * world_size)
         loss = forward(x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH])
         nodes.add(type(loss.grad_fn).__name__)
         loss.backward()
-        freed.append(all(p.grad is None for p in model.parameters()))
+        freed.append(holds_no_grads(model.parameters()))
         norms.append(clip(MAX_NORM).item())
         step_opt.step()
         step_opt.zero_grad()

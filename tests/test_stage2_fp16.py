@@ -24,7 +24,7 @@ from tests._dist import run_case, run_ranks
 from tests.hf_trainer_cases import TokenDataset, run_trainer, tiny_bert
 from tests.models import (
     BATCH, Setup, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model, make_reference,
-    make_zero, params_of, shard_of,
+    make_zero, params_of, shard_of, holds_no_grads,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -89,7 +89,7 @@ def _loop(case: Case, model, opt, scaler, target, *, world_size, rank=None):
         if handle is not None:
             handle.remove()
         if rank is not None:
-            assert all(p.grad is None for p in params), "stage 2 left a p.grad after the backward"
+            assert holds_no_grads(params), "stage 2 left a p.grad after the backward"
         if case.clip_norm is not None:
             scaler.unscale_(opt)
             if rank is None:
@@ -136,6 +136,13 @@ def _reference(case: Case, world_size: int, target):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", CASES)
 def test_grad_scaler_skips_the_same_steps_on_every_rank_and_equals_one_process(name):
+    """2 gloo ranks, torch's CPU GradScaler growing every 3 clean steps, an inf or NaN put on one
+    rank into a grad element *another* rank owns (so only the agreed flag makes the injecting
+    rank skip): every rank's scales and skips equal one process's with the same GradScaler on the
+    global batch (grew, halved at the skip, grew), and so do the params and the consolidated state
+    dict (float64 to 1e-12; float32 to 1e-5 relative), flat and param shards. With ``unscale_``
+    then ``opt.clip_grad_norm_`` the norms equal torch's (rtol 1e-10 in float64) and are inf at the
+    skipped step; a loop that never calls ``zero_grad`` equals the reference that does."""
     case = CASES[name]
     per_rank = run_case(_train, CASES, name, 2, timeout=180)
     r0, r1 = per_rank
@@ -234,6 +241,14 @@ def _hf_many(rank, world_size, root):
                          "every rank skips the step and halves the loss scale, as stage 1 does; the runs equal stage 1's; no hang")
 @pytest.mark.timeout(300)
 def test_accelerate_and_trainer_fp16_stage2_skip_as_stage1(tmp_path):
+    """2 ranks, a float32 tiny BERT under fp16 autocast, Accelerate given torch's CPU GradScaler
+    (Accelerate creates none on CPU), an inf grad on rank 1 only. An Accelerate loop with
+    ``accelerator.clip_grad_norm_`` skips the same step on both ranks and halves the scale, and its
+    norms and params are bitwise the stage-1 run's. Trainer with ``fp16=True`` and
+    ``optim_args="stage=2"`` skips the same step as stage 1, ends at the same scale, and its logged
+    losses, grad norms and params equal stage 1's (rtol 1e-5). At the skipped step the logged
+    ``grad_norm`` is ``inf`` under stage 2 and ``nan`` under stage 1 (whose agreement writes a NaN
+    into one grad element)."""
     (acc1, acc2, tr1, tr2), (acc1_b, acc2_b, tr1_b, tr2_b) = run_ranks(_hf_many, 2, str(tmp_path), timeout=280)
     assert acc2["wrapped"] != "DistributedDataParallel" and acc1["wrapped"] == "DistributedDataParallel"
     for a, b in ((acc1, acc1_b), (acc2, acc2_b)):

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from tests._dist import run_case, run_ranks
 from tests.models import (
     BATCH, Setup, assert_params_equal, assert_replicas_identical, assert_state_dict_equal, build_model, make_zero,
-    count_reduce_scatters, params_of, shard_of, stage2_memory_trace,
+    count_reduce_scatters, params_of, shard_of, stage2_memory_trace, holds_no_grads,
 )
 
 STEPS = 5
@@ -163,7 +163,7 @@ def _loop(case: Case, model, opt, *, world_size, rank=None):
                             (_loss(model, mb, case, rank) / case.accumulate).backward()
                     else:
                         (_loss(model, mb, case, rank) / case.accumulate).backward()
-                        freed = freed and all(p.grad is None for p in model.parameters())
+                        freed = freed and holds_no_grads(model.parameters())
         except RuntimeError as e:
             assert step == case.raise_at and "boom" in str(e), e
             errors.append(str(e))
@@ -347,7 +347,7 @@ def _hf_loop(model, opt, steps, world_size, rank=None):
         else:
             part = shard_of((ids,), rank)[0]
             model(input_ids=part, labels=part).loss.backward()
-            assert all(p.grad is None for p in model.parameters())
+            assert holds_no_grads(model.parameters())
         opt.step()
         opt.zero_grad()
 
@@ -427,8 +427,9 @@ def _bf16_masters(rank, world_size):
 
 
 def _bf16_reference(per_rank):
-    """fp32 masters stepped by AdamW on the 2-rank average of the bf16 grads ((a + b) / 2 in bf16: the
-    same bits as the reduce-scatter's a/2 + b/2), rounded into bf16 params (tests/test_masters.py)."""
+    """fp32 masters stepped by AdamW on the 2-rank average of the bf16 grads, summed in fp32 as the default
+    ``grad_accum_dtype="fp32"`` shards sum them ((a + b) / 2 in fp32: the same bits as the reduce-scatter's
+    a/2 + b/2 summed into a float32 shard), rounded into bf16 params (tests/test_masters.py)."""
     model = build_model("mlp", torch.bfloat16)
     masters = [p.detach().float().clone() for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1)
@@ -437,7 +438,7 @@ def _bf16_reference(per_rank):
         grads = [r["bf16"][0][step] for r in per_rank]
         for i, m in enumerate(masters):
             gs = [g[i] for g in grads]
-            m.grad = None if gs[0] is None else ((gs[0] + gs[1]) / 2).float()
+            m.grad = None if gs[0] is None else (gs[0].float() + gs[1].float()) / 2
         opt.step()
         out.append([m.to(torch.bfloat16) for m in masters])
     return out

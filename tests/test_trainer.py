@@ -153,7 +153,7 @@ def test_default_inner_falls_back_where_torch_has_no_fused_kernel(caplog):
     "optim_args, message",
     [
         ("inner=adamx", r"inner='adamx' is not supported; choose one of \['adafactor', 'adam', 'adamw'"),
-        ("inner=adamw,momentum=0.9", r"unknown key\(s\) \['momentum'\].*valid keys: \['inner', 'shard', 'bucket_view', 'sharded_checkpoints', 'grad_reduce', 'overlap', 'master_weights', 'stage', 'local_accumulation', 'amsgrad'\]"),
+        ("inner=adamw,momentum=0.9", r"unknown key\(s\) \['momentum'\].*valid keys: \['inner', 'shard', 'bucket_view', 'sharded_checkpoints', 'grad_reduce', 'overlap', 'master_weights', 'stage', 'local_accumulation', 'grad_accum_dtype', 'amsgrad'\]"),
         ("master_weights=maybe", r"master_weights='maybe' is not valid; choose one of \['auto', 'true', 'false'\]"),
         ("grad_reduce=scatter", r"grad_reduce='scatter' is not valid; choose one of \['reduce_scatter', 'all_reduce'\]"),
         ("overlap=sometimes", r"overlap='sometimes' is not a boolean"),

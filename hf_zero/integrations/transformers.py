@@ -50,8 +50,9 @@ _INNER: dict[str, tuple[type, dict, bool, tuple[str, ...]]] = {
 DEFAULT_INNER = "adamw_fused"
 _FALLBACK_INNER = "adamw"
 _COMMON_KEYS = ("inner", "shard", "bucket_view", "sharded_checkpoints", "grad_reduce", "overlap", "master_weights",
-                "stage", "local_accumulation")
+                "stage", "local_accumulation", "grad_accum_dtype")
 _STAGES = ("1", "2")
+_GRAD_ACCUM_DTYPES = ("auto", "fp32", "param")
 _MASTER_WEIGHTS = {"auto": "auto", "true": True, "false": False}
 _GRAD_REDUCE = ("reduce_scatter", "all_reduce")
 _SHARDS = ("auto", "flat", "param")
@@ -93,6 +94,10 @@ def parse_optim_args(optim_args: dict[str, str], params=None) -> dict[str, Any]:
     - ``local_accumulation``: bool, default false, stage 2 only: with gradient accumulation keep
       each rank's full local grads until the last micro-batch (DDP's ``no_sync``: fewer bytes
       sent, a full gradient held) instead of reducing every micro-batch into the shards;
+    - ``grad_accum_dtype``: ``auto`` (default, ``fp32``), ``fp32`` or ``param``, stage 2 only: what
+      the grad shards of bf16/fp16 params sum micro-batches and ranks in: float32 (+2/N bytes per
+      param; the exact sum up to float32 roundings) or the params' dtype (one 16-bit rounding per
+      micro-batch; bitwise stage 1 without accumulation or with ``local_accumulation=true``);
     - the inner optimizer's own options: ``amsgrad`` (bool) for ``adamw*`` and ``adam``;
       ``momentum``, ``dampening`` (numbers) and ``nesterov`` (bool) for ``sgd``;
       ``scale_parameter``, ``relative_step``, ``warmup_init`` (bools), ``clip_threshold``,
@@ -133,6 +138,12 @@ def parse_optim_args(optim_args: dict[str, str], params=None) -> dict[str, Any]:
     if "local_accumulation" in optim_args and stage != "2":
         raise ValueError("optim_args: local_accumulation is a stage=2 option (stage 1 accumulates as DDP does); "
                          "add stage=2 or remove it")
+    accum = optim_args.get("grad_accum_dtype", "auto")
+    if accum not in _GRAD_ACCUM_DTYPES:
+        raise ValueError(f"optim_args: grad_accum_dtype={accum!r} is not valid; choose one of {list(_GRAD_ACCUM_DTYPES)}")
+    if "grad_accum_dtype" in optim_args and stage != "2":
+        raise ValueError("optim_args: grad_accum_dtype is a stage=2 option (stage 1 accumulates as DDP does, in the "
+                         "grads' dtype); add stage=2 or remove it")
     if "inner" in optim_args and inner == "adamw_fused":
         refused = _fused_refusal(params)
         if refused is not None:
@@ -148,6 +159,8 @@ def parse_optim_args(optim_args: dict[str, str], params=None) -> dict[str, Any]:
     if stage == "2":  # passed only then (stage 1 is every core's default)
         out["stage"] = 2
         out["local_accumulation"] = _bool("local_accumulation", optim_args.get("local_accumulation", "false"))
+        if "grad_accum_dtype" in optim_args:  # passed only when given (older cores have no such keyword)
+            out["grad_accum_dtype"] = accum
     if "master_weights" in optim_args:  # passed only when given (older cores have no such keyword)
         out["master_weights"] = _MASTER_WEIGHTS[optim_args["master_weights"].lower()]
     for key in extra:
@@ -409,7 +422,7 @@ class ZeroBucketCallback(TrainerCallback):
         return {
             "zero_rebuilds": stats["rebuilds"],
             "zero_trainable_elements_per_rank": elements,
-            # the fp32 masters are optimizer state too (docs/usage.md counts them so)
+            # the fp32 masters are optimizer state too (docs/precision.md counts them so)
             "zero_state_bytes_per_rank": [s + m for s, m in zip(stats["state_bytes_per_rank"],
                                                                 stats["master_bytes_per_rank"])],
             "zero_master_bytes_per_rank": stats["master_bytes_per_rank"],
