@@ -148,7 +148,10 @@ hooks every param of the optimizer:
   Each stage-2 optimizer bound to a module reduces its own params' grads (a backbone and a
   head with optimizers of their own); the trainable params must be covered by them, which
   is checked at the first forward (not at a bind: the next optimizer may hold the rest).
-  ``no_sync()`` suspends every one, and only the first bound broadcasts buffers. gloo
+  ``no_sync()`` suspends every one, and only the first bound broadcasts buffers. The
+  module's two forward hooks are registered by the first bind and call every reducer bound
+  to it; each reducer's unbind takes it out, and the last one removes the hooks and
+  ``no_sync`` ([Note: a binding ends with its run] in _binding.py). gloo
   matches collectives by order, and two reducers' buckets would complete in an order that
   depends on each rank's graph: so the first reducer armed in a backward reduces its
   buckets as they complete, and every other one armed while it is (one optimizer per
