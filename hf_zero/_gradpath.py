@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from . import _scatter_hook, _stage2
+from ._binding import Binding
 from ._comm import Comm
 from ._layout import Layout
 from ._ledger import storage_bytes
@@ -52,6 +53,8 @@ class GradientPath:
         self.stage = stage
         self.stage2 = _stage2.Reducer(comm, self._table, shard, accumulate_dtype) if stage == 2 else None
         self.ddp_bucket_view: bool | None = None  # the bound DDP's gradient_as_bucket_view (None: none bound)
+        # every hook and attribute on the user's module ([Note: a binding ends with its run])
+        self.binding = Binding()
 
     def _table(self):
         return self._facts()()[0]
@@ -180,7 +183,7 @@ class GradientPath:
                 "the DistributedDataParallel wrapping the model with bind_ddp(ddp)"
             )
         _refuse_needing_ddp(module)
-        self.stage2.bind(module, cap_bytes=int(bucket_cap_mb * (1 << 20)), broadcast_buffers=broadcast_buffers,
+        self.stage2.bind(module, self.binding, cap_bytes=int(bucket_cap_mb * (1 << 20)), broadcast_buffers=broadcast_buffers,
                          local_accumulation=local_accumulation)
         self._attach_overlap(module, overlap_default)
 
@@ -190,7 +193,7 @@ class GradientPath:
         if overlap and self.comm.world_size > 1:
             if self._bucket_view:
                 self.overlap = self.overlap or ParamSyncOverlap()
-                self.overlap.attach(module, units)
+                self.overlap.attach(module, units, self.binding)
                 self.comm.own_sync_group()  # [Note: a group for the overlapped sync]
             else:
                 logger.warning("hf_zero: overlap_param_sync needs parameters_as_bucket_view=True; syncing in the step")
@@ -198,6 +201,15 @@ class GradientPath:
     def wait(self) -> None:
         if self.overlap is not None:
             self.overlap.drain()
+
+    def unbind(self) -> None:
+        """The body of ``ZeroBucketOptimizer.unbind`` (documented there)."""
+        self.wait()
+        self.binding.close()
+        self.overlap = None  # no forward waits for a sync any more: the next steps sync in the step
+        if self.reducer is not None:  # the DDP that holds its comm hook averages, as without one
+            self.reducer.detach()
+            self.reducer = None
 
     def bind(self, ddp, *, grad_reduce_default: str, overlap_default: bool, syncs_every_backward: bool,
              grad_scaler: bool, units=None) -> None:

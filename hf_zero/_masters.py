@@ -40,6 +40,7 @@ would cost half that step or more (docs/benchmarks.md, "Following in-place edits
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -85,11 +86,12 @@ class Master:
         self.version = version_of(param)
         self.stepped = saved is not None
 
-    def follow_edits(self) -> None:
+    def follow_edits(self, written: bool = False) -> None:
         """Adopt the param's values where it was written in place since the last call (see
-        [Note: master weights]): a no-op, one counter read, when it was not."""
+        [Note: master weights]; ``written``: through an alias, [Note: writes through a state
+        dict's aliases]): a no-op, one counter read, when it was not."""
         version = version_of(self.param)
-        if version != self.version:
+        if version != self.version or written:
             self._adopt_param()
             self.version = version
 
@@ -119,6 +121,50 @@ class Master:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+
+# [Note: writes through a state dict's aliases]
+# Under Trainer, ``model.state_dict()`` hands out bucket views as tensors with a storage object of
+# their own over the same memory (``torch.from_dlpack``: integrations/accelerate.py, ``_own_storage``),
+# so that a save does not copy the model. Such an alias has a version counter of its own: a write
+# through it (``model.state_dict()["w"].zero_()``) moves no counter of the param's, and a master
+# would never see it. So each alias is watched: a ``detach()`` of it (same memory, same counter, no
+# copy) is kept with the counter's value when handed out, and before a step (and before a checkpoint
+# reads the masters) a moved counter marks its param as written, whose masters then re-derive from it
+# as after any other in-place write. The alias itself is held weakly: once it is gone and its counter
+# was read, the entry is dropped (a save's state dict lives until it is written, so its entries go at
+# the next step). With no alias watched the check is one test of an empty list.
+_ALIASES: list[list] = []  # [weak reference to the alias, its detach(), the counter seen, the param weakly]
+_WRITTEN: set[int] = set()  # id(param) of params written through an alias, until their partition follows
+
+
+def watch_alias(alias: torch.Tensor, param: torch.Tensor) -> None:
+    """Have the masters of ``param`` follow in-place writes through ``alias``, a tensor over the same
+    memory with a version counter of its own."""
+    twin = alias.detach()
+    _ALIASES.append([weakref.ref(alias), twin, version_of(twin), weakref.ref(param)])
+
+
+def aliases_watched() -> bool:
+    """Whether any alias is watched (or a write through one not yet followed)."""
+    return bool(_ALIASES) or bool(_WRITTEN)
+
+
+def written_through_aliases() -> set[int]:
+    """``id(param)`` of the params written through a watched alias and not yet followed (a set the
+    caller removes the params it followed from); forgets the aliases that are gone."""
+    kept = []
+    for entry in _ALIASES:
+        ref, twin, version, param = entry
+        if version_of(twin) != version:
+            entry[2] = version_of(twin)
+            p = param()
+            if p is not None:
+                _WRITTEN.add(id(p))
+        if ref() is not None:
+            kept.append(entry)
+    _ALIASES[:] = kept
+    return _WRITTEN
 
 
 def split_saved(state: dict) -> tuple[dict, torch.Tensor | None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -67,6 +68,19 @@ def _checked_options(optimizer_class, overlap_with_ddp: bool, shard: str, grad_r
     if shard == "auto":
         shard = "flat" if is_elementwise(optimizer_class) else "param"
     return shard, accumulate
+
+
+def _init_param_groups(optimizer: torch.optim.Optimizer, params: Iterable, optimizer_class, defaults: dict) -> dict:
+    """torch's ``Optimizer.__init__`` over ``params`` (a duplicate param, which torch only warns of, is an
+    error), the params checked; returns the resolved defaults."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # torch only warns on duplicates
+        try:
+            torch.optim.Optimizer.__init__(optimizer, params, {})
+        except UserWarning as w:
+            raise ValueError(f"params: {w}") from None
+    check_params(optimizer.param_groups)
+    return _resolved_defaults(optimizer_class, optimizer.param_groups, defaults)
 
 
 def _resolved_defaults(optimizer_class, param_groups: list[dict], defaults: dict) -> dict:
@@ -164,14 +178,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         shard, accumulate = _checked_options(optimizer_class, overlap_with_ddp, shard, grad_reduce, stage, grad_accum_dtype,
                                              state_dict_params)
         self._ready = False
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", UserWarning)  # torch only warns on duplicates
-            try:
-                torch.optim.Optimizer.__init__(self, params, {})
-            except UserWarning as w:
-                raise ValueError(f"params: {w}") from None
-        check_params(self.param_groups)
-        self.defaults = _resolved_defaults(optimizer_class, self.param_groups, defaults)
+        self.defaults = _init_param_groups(self, params, optimizer_class, defaults)
         Joinable.__init__(self)
 
         self.optimizer_class = optimizer_class
@@ -190,6 +197,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
                                   shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view,
                                   accumulate_dtype=accumulate)
+        weakref.finalize(self, self._grad.binding.close).atexit = False  # collected, it leaves the model as it found it
         self._ready = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -310,8 +318,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- gradients DDP does not reduce (see docs/architecture.md, "Unreduced gradients")
     def mark_ddp_reduced(self) -> None:
-        """Record that DDP reduces exactly the params trainable now: call it when DDP has
-        just been built. Without a call, the set trainable at the first step is taken."""
+        """Record that DDP reduces the params trainable now (call it right after building DDP; default: at the first step)."""
         self._grad.mark_reduced(self._table.mask())
 
     def unreduced_params(self) -> list[torch.Tensor]:
@@ -349,6 +356,11 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         does nothing: every backward reduces into the shards). Collective; see docs/stage2.md."""
         self._grad.bind_module(module, bucket_cap_mb=bucket_cap_mb, broadcast_buffers=broadcast_buffers,
                                local_accumulation=local_accumulation)
+
+    def unbind(self) -> None:
+        """Remove every hook and attribute hf_zero put on the model and its params: it is as if never bound, and may be
+        bound again. Done too when the optimizer is collected, and by Trainer / Accelerate when training ends."""
+        self._grad.unbind()
 
     @property
     def grad_reduce(self) -> str:
@@ -407,8 +419,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         return self._comm.process_group
 
     def release_views(self) -> None:
-        """Give every param sharing its storage its own (for savers that reject shared storage); the next step
-        rebuilds the buffers on every rank, moving no state."""
+        """Give every param sharing storage its own (for savers refusing it); the next step rebuilds, moving no state."""
         self.wait_param_sync()
         self._table.release_shared_storage()
 
@@ -476,16 +487,15 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     # -- sharded checkpoints -----------------------------------------------------------
     def save_sharded(self, path: str | os.PathLike) -> None:
-        """Write a sharded checkpoint to directory ``path`` (its own, seen by all ranks), each
-        rank its own state, no gather; atomic. Collective. Format: :mod:`hf_zero._sharded`."""
+        """Write a sharded checkpoint to directory ``path`` (its own, seen by all ranks), each rank its own state, no
+        gather; atomic. Collective. Format: :mod:`hf_zero._sharded`."""
         self._table.check_agreement(self._comm)
         self._lifecycle.check_pending()
         _lifecycle.write_sharded(self, self._comm, self._table, self._holdings(), path)
 
     def load_sharded(self, path: str | os.PathLike) -> None:
-        """Load a sharded checkpoint of any world size and shard mode, each rank reading the
-        ranges it will own. Collective. Another model's or optimizer class's raises
-        ``ValueError`` listing the mismatches; nothing changes."""
+        """Load a sharded checkpoint of any world size and shard mode, each rank reading the ranges it will own.
+        Collective. Another model's or optimizer class's raises ``ValueError`` listing the mismatches; nothing changes."""
         self._table.check_agreement(self._comm)
         groups, held, has_state = _lifecycle.read_sharded(self, self._comm, self._table, path)
         self._adopt_loaded(groups, held, has_state=has_state)

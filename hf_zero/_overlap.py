@@ -59,6 +59,8 @@ from typing import Iterable
 
 import torch
 
+from ._binding import Binding, Hook
+
 _LIVE: "weakref.WeakSet[ParamSyncOverlap]" = weakref.WeakSet()
 
 
@@ -94,6 +96,7 @@ class ParamSyncOverlap:
 
     def __init__(self):
         self._pending: dict[int, object] = {}  # buffer number -> _works.Pending
+        self._binding: Binding | None = None  # what holds the hooks (the bound optimizer's)
         self._models: "weakref.WeakKeyDictionary[torch.nn.Module, Units | None]" = weakref.WeakKeyDictionary()
         self._hooked: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
         # Per module, the buffers its forward waits for (worked out at each launch); a
@@ -174,37 +177,34 @@ class ParamSyncOverlap:
             if p is not None:
                 p.wait()
 
-    def attach(self, model: torch.nn.Module, units: Units | None = None) -> None:
+    def attach(self, model: torch.nn.Module, units: Units | None, binding: Binding) -> None:
         """Hook ``model``: the forward of it and of each submodule it has now (and of each
         one it has at a later launch) waits for what it needs; its ``state_dict()`` drains.
-        Idempotent per model; ``units`` replaces the model's units when given."""
+        Idempotent per model; ``units`` replaces the model's units when given. The hooks go
+        through ``binding``, whose ``close()`` removes them."""
         if model in self._models:
             if units is not None:
                 self._models[model] = units
             return
-        me = weakref.ref(self)
-
-        def before_state_dict(module, prefix, keep_vars):
-            overlap = me()
-            if overlap is not None:
-                overlap.drain()
-
+        if self._binding is not binding:
+            self._binding = binding
+            binding.on_close(self._detached)
         for module in model.modules():  # the model itself first
             self._hook(module)
-        model.register_state_dict_pre_hook(before_state_dict)
+        binding.keep(model.register_state_dict_pre_hook(_Draining(self)))
         self._models[model] = units
 
+    def _detached(self) -> None:
+        """The binding closed: no model is hooked any more."""
+        self.drain()
+        self._binding = None
+        self._models, self._hooked = weakref.WeakKeyDictionary(), weakref.WeakSet()
+        self._needs, self._trees = weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary()
+
     def _hook(self, module: torch.nn.Module) -> None:
-        if module in self._hooked:
+        if module in self._hooked or self._binding is None:
             return
-        me = weakref.ref(self)
-
-        def before_forward(module, args):
-            overlap = me()
-            if overlap is not None and overlap._pending:
-                overlap.wait_for(module)
-
-        module.register_forward_pre_hook(before_forward)
+        self._binding.keep(module.register_forward_pre_hook(_Waiting(self)))
         self._hooked.add(module)
 
     def drain_within(self, timeout_s: float) -> None:
@@ -212,6 +212,34 @@ class ParamSyncOverlap:
         pending, self._pending = self._pending, {}
         for p in pending.values():
             p.wait(timeout_s)
+
+
+class _Waiting(Hook):
+    """A module's forward pre-hook: wait for the syncs its forward needs."""
+
+    __slots__ = ("_overlap",)
+
+    def __init__(self, overlap: ParamSyncOverlap):
+        self._overlap = weakref.ref(overlap)
+
+    def __call__(self, module, args) -> None:
+        overlap = self._overlap()
+        if overlap is not None and overlap.pending:
+            overlap.wait_for(module)
+
+
+class _Draining(Hook):
+    """The model's state-dict pre-hook: wait for every sync."""
+
+    __slots__ = ("_overlap",)
+
+    def __init__(self, overlap: ParamSyncOverlap):
+        self._overlap = weakref.ref(overlap)
+
+    def __call__(self, module, prefix, keep_vars) -> None:
+        overlap = self._overlap()
+        if overlap is not None:
+            overlap.drain()
 
 
 def _walk(model: torch.nn.Module, units: Units | None) -> list[tuple[torch.nn.Module, torch.nn.Module | None]]:

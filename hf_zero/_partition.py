@@ -38,7 +38,7 @@ from torch.profiler import record_function
 from ._comm import Comm
 from ._layout import Layout, Piece
 from ._ledger import state_bytes
-from ._masters import MASTER_KEY, Master, needs_master, split_saved
+from ._masters import MASTER_KEY, Master, aliases_watched, needs_master, split_saved, written_through_aliases
 from ._params import ParamTable
 from ._state import Holding, Holdings, Kind, kind_of, move, plan_moves, shape_as
 
@@ -178,10 +178,13 @@ class Partition:
 
     def follow_edits(self) -> None:
         """Masters adopt the in-place writes to their params since the last step (see
-        [Note: master weights] in _masters.py)."""
+        [Note: master weights] in _masters.py), through their aliases too."""
+        written = written_through_aliases() if aliases_watched() else ()
         for lp in self.pieces:
             if lp.master is not None:
-                lp.master.follow_edits()
+                lp.master.follow_edits(bool(written) and id(lp.param) in written)
+        if written:
+            written.difference_update(id(lp.param) for lp in self.pieces if lp.master is not None)
 
     def master_bytes(self) -> int:
         """Bytes of the fp32 masters of this rank's pieces."""

@@ -81,6 +81,11 @@ class BucketReducer:
         self.reduced_since_step.clear()
         self.partial_grads.clear()
 
+    def detach(self) -> None:
+        """The optimizer unbound: from now on the hook averages every bucket, as DDP would
+        (DDP keeps a comm hook for its lifetime)."""
+        self._opt = _no_optimizer
+
     def defer(self, pending) -> torch.futures.Future:
         """The future DDP waits on for ``pending`` (a ``_works.Pending`` whose value is the bucket)."""
         if self.finish_in_hook:
@@ -158,6 +163,10 @@ def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annot
     state.scattered.append(buffer[min(bounds[rank], n) : min(bounds[rank + 1], n)])
     state.scattered_params.update(composition)
     return state.defer(opt.comm.reduce_scatter_(buffer, bounds))
+
+
+def _no_optimizer() -> None:
+    return None
 
 
 def _done(value) -> torch.futures.Future:

@@ -148,7 +148,10 @@ hooks every param of the optimizer:
   Each stage-2 optimizer bound to a module reduces its own params' grads (a backbone and a
   head with optimizers of their own); the trainable params must be covered by them, which
   is checked at the first forward (not at a bind: the next optimizer may hold the rest).
-  ``no_sync()`` suspends every one, and only the first bound broadcasts buffers. gloo
+  ``no_sync()`` suspends every one, and only the first bound broadcasts buffers. The
+  module's two forward hooks are registered by the first bind and call every reducer bound
+  to it; each reducer's unbind takes it out, and the last one removes the hooks and
+  ``no_sync`` ([Note: a binding ends with its run] in _binding.py). gloo
   matches collectives by order, and two reducers' buckets would complete in an order that
   depends on each rank's graph: so the first reducer armed in a backward reduces its
   buckets as they complete, and every other one armed while it is (one optimizer per
@@ -170,6 +173,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._binding import Binding, Hook
 from ._comm import Comm, early_divisor
 from ._engine import (
     grad_accumulator, graph_task_id, queue_end_of_backward, reentrant_region_below, running_node, tree_tensors,
@@ -366,19 +370,17 @@ class Reducer:
         self._shard = shard
         self.cap_bytes = int(DEFAULT_BUCKET_CAP_MB * (1 << 20))
         self.module_ref = None
-        self._handles: list = []
         self._plan: _Plan | None = None
         self._plan_key = None
         self._accumulators: dict = {}  # param index -> its AccumulateGrad node, per plan
         self._suspended = False  # inside no_sync()
         self._broadcast_buffers = False
         self._buffers = _ReceivedBuffers()
-        self._seen = 0  # params of the table looked at (add_param_group appends)
+        self._param_hooks: _ParamHooks | None = None  # while bound
         self._coverage_due, self.local_accumulation = False, True  # bound with params it does not hold; see bind
         self._deferred = False  # this backward reduces at its end only: [Note: several optimizers over one module]
         self._stand_ins = _StandIns()
         weakref.finalize(self, self._stand_ins.clear)  # none left in p.grad once this reducer is gone
-        self._unhooked: list[int] = []  # frozen ones among them: no hook yet
         # This backward (between its arming and its end).
         self._armed, self._left = False, []  # _left: per buffer, grads still to come this backward
         self._pending: set[int] = set()  # params counted in _left that have not come yet
@@ -404,11 +406,13 @@ class Reducer:
     def bound(self) -> bool:
         return self.module_ref is not None
 
-    def bind(self, module: torch.nn.Module, *, cap_bytes: int, broadcast_buffers: bool = True,
+    def bind(self, module: torch.nn.Module, binding: Binding, *, cap_bytes: int, broadcast_buffers: bool = True,
              local_accumulation: bool = True) -> None:
         """``local_accumulation=False``: the module's ``no_sync()`` does nothing, so every backward
         reduces into the shards (Accelerate's ``accumulate`` and Trainer enter it on every
-        micro-batch but the last)."""
+        micro-batch but the last). Every hook goes through ``binding``, whose ``close()`` removes
+        them and unbinds ([Note: a binding ends with its run]); the module's forward hooks and
+        ``no_sync`` are shared by the reducers bound to it ([Note: several optimizers over one module])."""
         if self.module_ref is not None and self.module_ref() is module:
             return
         others = _refuse_binding(module, self.module_ref, cap_bytes=cap_bytes, local_accumulation=local_accumulation)
@@ -417,32 +421,24 @@ class Reducer:
         self.cap_bytes = cap_bytes
         self.local_accumulation = local_accumulation
         _broadcast_at_bind(self.comm, [*table.params, *module.parameters(), *module.buffers()])
-        me = weakref.ref(self)
-        self._hook_params()
+        self._param_hooks = _ParamHooks(self, binding)
+        binding.on_close(self._unbound)
+        self._param_hooks.hook(table.params)
         self._broadcast_buffers = (broadcast_buffers and self.comm.world_size > 1 and not others
                                    and any(True for _ in module.buffers()))
-        self._handles.append(module.register_forward_pre_hook(_before_forward(me)))
-        self._handles.append(module.register_forward_hook(_after_forward(me)))
         self.module_ref = weakref.ref(module)
         self._plan_key = None  # planned again, in the module's order
-        _BOUND.setdefault(module, []).append(me)
-        if not local_accumulation:
-            module.no_sync = contextlib.nullcontext
-        else:
-            module.no_sync = self.no_sync if not others else _NoSyncAll([*map(weakref.ref, others), me])
+        _attach(module, self)
 
-    def _hook_params(self) -> None:
-        """Hook the params that need a grad and have no hook yet: at bind, then before each forward
-        (torch refuses a hook on a frozen param: it gets its own once unfrozen; ``add_param_group``
-        appends params)."""
-        params, me = self._table().params, weakref.ref(self)
-        self._unhooked.extend(range(self._seen, len(params)))
-        self._seen = len(params)
-        if any(params[i].requires_grad for i in self._unhooked):
-            for i in [i for i in self._unhooked if params[i].requires_grad]:
-                self._handles.append(params[i].register_hook(_before_accumulating(me)))
-                self._handles.append(params[i].register_post_accumulate_grad_hook(_hook(me, i)))
-            self._unhooked = [i for i in self._unhooked if not params[i].requires_grad]
+    def _unbound(self) -> None:
+        """The binding closed (its handles are removed next): drop the grads not stepped (the stand-ins
+        leave ``p.grad``) and forget the module, so that a later bind hooks everything again."""
+        module = self.module_ref() if self.module_ref is not None else None
+        self.step_taken()
+        self.module_ref, self._param_hooks, self._coverage_due = None, None, False
+        self._plan_key, self._accumulators = None, {}
+        if module is not None:
+            _detach(module)
 
     @property
     def suspended(self) -> bool:
@@ -484,7 +480,7 @@ class Reducer:
             self._abandon()
         if self._coverage_due:
             self._coverage_due = _check_coverage(module)  # False, or it raises
-        self._hook_params()
+        self._param_hooks.hook(self._table().params)
         self._buffers.take()
 
     def after_forward(self, output):
@@ -761,6 +757,32 @@ class Reducer:
 # [Note: several optimizers over one module]
 _BOUND: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()  # module -> its reducers
 _ARMED: "weakref.WeakSet[Reducer]" = weakref.WeakSet()  # reducers whose backward is under way
+_HOOKED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()  # its forward hooks
+
+
+def _attach(module: torch.nn.Module, reducer: Reducer) -> None:
+    """``reducer`` (bound to ``module`` now) joins the reducers of ``module``: the forward hooks, registered by
+    the first, call every one; ``no_sync`` suspends every one."""
+    _BOUND[module] = [*map(weakref.ref, _reducers_of(module)), weakref.ref(reducer)]
+    if module not in _HOOKED:
+        before, after = _forward_hooks()
+        _HOOKED[module] = (module.register_forward_pre_hook(before), module.register_forward_hook(after))
+    module.no_sync = _NoSync(_reducers_of(module) if reducer.local_accumulation else ())
+
+
+def _detach(module: torch.nn.Module) -> None:
+    """A reducer of ``module`` was unbound: the others keep the forward hooks and a ``no_sync`` of their own;
+    the last one leaves the module as it found it ([Note: a binding ends with its run])."""
+    live = _reducers_of(module)
+    if live:
+        _BOUND[module] = [weakref.ref(r) for r in live]
+        module.no_sync = _NoSync(live if live[0].local_accumulation else ())
+        return
+    _BOUND.pop(module, None)
+    for handle in _HOOKED.pop(module, ()):
+        handle.remove()
+    if isinstance(module.__dict__.get("no_sync"), _NoSync):
+        del module.no_sync
 
 
 def _reducers_of(module: torch.nn.Module) -> list[Reducer]:
@@ -777,9 +799,9 @@ def _refuse_binding(module: torch.nn.Module, bound_ref, *, cap_bytes: int, local
             "pass the unwrapped module (model.module) and do not wrap it in DDP"
         )
     if bound_ref is not None:
-        raise ValueError("bind_module: this optimizer is already bound to another module")
+        raise ValueError("bind_module: this optimizer is already bound to another module; call optimizer.unbind() first")
     others = _reducers_of(module)
-    if getattr(module, "no_sync", None) is not None and not others:
+    if getattr(module, "no_sync", None) is not None and not others and not isinstance(module.no_sync, _NoSync):
         raise ValueError(f"bind_module: {type(module).__name__} already has a no_sync attribute")
     if any(o.local_accumulation != local_accumulation for o in others):
         raise ValueError(
@@ -811,21 +833,6 @@ def _check_coverage(module: torch.nn.Module) -> bool:
             "accelerator.prepare(model, *optimizers)), or freeze them"
         )
     return False
-
-
-class _NoSyncAll:
-    """The ``no_sync()`` of a module several optimizers are bound to: every one's at once."""
-
-    def __init__(self, reducer_refs: list):
-        self._refs = reducer_refs
-
-    @contextlib.contextmanager
-    def __call__(self):
-        with contextlib.ExitStack() as stack:
-            for reducer in (ref() for ref in self._refs):
-                if reducer is not None:
-                    stack.enter_context(reducer.no_sync())
-            yield
 
 
 def _zero_in_shards(plan: _Plan | None, shards: list, i: int) -> None:
@@ -1068,21 +1075,36 @@ class _BucketPool:
             self.held_bytes -= base.nbytes
 
 
-def _before_forward(reducer_ref):
-    def before_forward(module: torch.nn.Module, args) -> None:
-        reducer = reducer_ref()
-        if reducer is not None:
-            reducer.before_forward(module)
+def _before_forward(module: torch.nn.Module, args) -> None:
+    """The forward pre-hook of a bound module (registered once, for every reducer bound to it): it finds
+    the reducers by the module it is called with, so a copy of a bound module (``copy.deepcopy`` shares
+    functions, ``torch.save`` pickles them by name) finds none and is not bound ([Note: a binding ends
+    with its run] in _binding.py)."""
+    for reducer in _reducers_of(module):
+        reducer.before_forward(module)
 
-    return _eager(before_forward)
+
+def _after_forward(module: torch.nn.Module, args, output):
+    """The forward hook of a bound module (as :func:`_before_forward`): each reducer's, in bind order, on
+    the output the one before returned, as torch chains hooks."""
+    changed = None
+    for reducer in _reducers_of(module):
+        out = reducer.after_forward(output if changed is None else changed)
+        changed = changed if out is None else out
+    return changed
 
 
-def _after_forward(reducer_ref):
-    def after_forward(module: torch.nn.Module, args, output):
-        reducer = reducer_ref()
-        return None if reducer is None else reducer.after_forward(output)
+def _forward_hooks():
+    """The forward pre-hook and hook, marked eager ([Note: forward hooks under torch.compile]) at the first
+    bind; the module's names are rebound to the marked functions, so that they still pickle by name."""
+    global _before_forward, _after_forward
+    if not _EAGER:
+        _before_forward, _after_forward = _eager(_before_forward), _eager(_after_forward)
+        _EAGER.append(True)
+    return _before_forward, _after_forward
 
-    return _eager(after_forward)
+
+_EAGER: list = []
 
 
 def _eager(hook):
@@ -1094,6 +1116,31 @@ def _eager(hook):
     the compiled graph's backward (tests/test_stage2_compile.py). The mark imports ``torch._dynamo``
     at ``bind_module`` (about a second, once, where transformers has not imported it already)."""
     return torch.compiler.disable(hook)
+
+
+class _NoSync(Hook):
+    """A bound module's ``no_sync`` attribute: every bound reducer's :meth:`Reducer.no_sync` at once (none
+    under ``local_accumulation=False``: a ``nullcontext``). A copy of the module gets one that does nothing."""
+
+    __slots__ = ("_refs",)
+
+    def __init__(self, reducers=()):
+        self._refs = tuple(weakref.ref(r) for r in reducers)
+
+    def __call__(self):
+        live = [r for r in (ref() for ref in self._refs) if r is not None]
+        return _suspended(live) if live else contextlib.nullcontext()
+
+    def __reduce__(self):
+        return (_NoSync, ())
+
+
+@contextlib.contextmanager
+def _suspended(reducers: list):
+    with contextlib.ExitStack() as stack:
+        for reducer in reducers:
+            stack.enter_context(reducer.no_sync())
+        yield
 
 
 def _arm(reducer_ref):
@@ -1130,19 +1177,52 @@ class _Anchored(torch.autograd.Function):
         return (None, *grads)
 
 
-def _before_accumulating(reducer_ref):
-    def before_accumulating(grad):  # a param's tensor hook: no stand-in may be in p.grad when autograd accumulates
-        reducer = reducer_ref()
+class _ParamHooks:
+    """A bound reducer's hooks on its params, kept in its binding: each param that needs a grad gets
+    them at bind, or before the first forward it needs one (torch refuses a hook on a frozen param:
+    it gets its own once unfrozen; ``add_param_group`` appends params)."""
+
+    def __init__(self, reducer: Reducer, binding: Binding):
+        self._reducer, self._binding = weakref.ref(reducer), binding
+        self._seen = 0  # params of the table looked at
+        self._unhooked: list[int] = []  # frozen ones among them: no hook yet
+
+    def hook(self, params: list) -> None:
+        """Hook the params that need a grad and have no hook yet."""
+        self._unhooked.extend(range(self._seen, len(params)))
+        self._seen = len(params)
+        reducer = self._reducer()
+        if reducer is not None and any(params[i].requires_grad for i in self._unhooked):
+            for i in [i for i in self._unhooked if params[i].requires_grad]:
+                self._binding.keep(params[i].register_hook(_BeforeAccumulating(reducer)))
+                self._binding.keep(params[i].register_post_accumulate_grad_hook(_GradHook(reducer, i)))
+            self._unhooked = [i for i in self._unhooked if not params[i].requires_grad]
+
+
+class _BeforeAccumulating(Hook):
+    """A param's tensor hook: no stand-in may be in ``p.grad`` when autograd accumulates into it
+    ([Note: p.grad stands in for the shards]); the reducer is held weakly."""
+
+    __slots__ = ("_reducer",)
+
+    def __init__(self, reducer: Reducer):
+        self._reducer = weakref.ref(reducer)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        reducer = self._reducer()
         if reducer is not None:
             reducer.settle(clear=True)
 
-    return before_accumulating
 
+class _GradHook(Hook):
+    """Param ``i``'s post-accumulate-grad hook: hand the grad to the reducer (held weakly)."""
 
-def _hook(reducer_ref, i: int):
-    def hook(p: torch.Tensor) -> None:
-        reducer = reducer_ref()
+    __slots__ = ("_reducer", "_i")
+
+    def __init__(self, reducer: Reducer, i: int):
+        self._reducer, self._i = weakref.ref(reducer), i
+
+    def __call__(self, p: torch.Tensor) -> None:
+        reducer = self._reducer()
         if reducer is not None:
-            reducer.on_grad(i, p)
-
-    return hook
+            reducer.on_grad(self._i, p)

@@ -294,6 +294,7 @@ def run_trainer(
         callbacks=callbacks,
         optimizers=optimizers,
     )
+    overlapping = _record_overlap(trainer)
     predicting.trainer = trainer
     trainer.train(resume_from_checkpoint=resume)
     if plain_module:
@@ -306,10 +307,25 @@ def run_trainer(
         info.update(grad_storages=storages.seen, ddp_grad_views=trainer.model_wrapped.gradient_as_bucket_view)
     zero = getattr(trainer.optimizer, "optimizer", None)
     if isinstance(zero, hf_zero.ZeroBucketOptimizer):
-        info.update(grad_reduce=zero.grad_reduce, overlap=zero.overlaps_param_sync, stage=zero.gradient_path.stage)
+        info.update(grad_reduce=zero.grad_reduce, overlap=overlapping[-1] if overlapping else None, stage=zero.gradient_path.stage)
     info["wrapped"] = type(trainer.model_wrapped).__name__
     info.update(sample_losses=sampling.losses, predictions=predicting.predictions)
     return params, trainer.state.log_history, info
+
+
+def _record_overlap(trainer) -> list:
+    """Whether the optimizer overlaps its parameter sync, after each training step (during the run: its end
+    unbinds the optimizer), without adding a callback (callbacks of the user's change when the sync drains)."""
+    seen, step = [], trainer.training_step
+
+    def training_step(*args, **kwargs):
+        loss = step(*args, **kwargs)
+        zero = getattr(trainer.optimizer, "optimizer", None)
+        seen.append(zero.overlaps_param_sync if isinstance(zero, hf_zero.ZeroBucketOptimizer) else None)
+        return loss
+
+    trainer.training_step = training_step
+    return seen
 
 
 def run_trainer_catching(rank, world_size, **kwargs):

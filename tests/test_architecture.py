@@ -13,6 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hf_zero"
 LAYERS = [
     "_engine",
     "_works",
+    "_binding",
     "_layout",
     "_ledger",
     "_comm",

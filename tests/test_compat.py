@@ -204,6 +204,21 @@ def test_prepare_without_ddp_relies_on_evaluation_mode_skipping_only_the_ddp_wra
     assert any("torch.compile(" in line for line in lines[end:]), "torch.compile not after it"
 
 
+def test_accelerate_marks_a_prepared_model_and_leaves_a_marked_one_alone():
+    """The binding removes Accelerate's mark from a stage-2 model at its end (``_compat.prepared_mark``):
+    Accelerate must still mark the model it returns, and return a marked model unprepared."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    assert _compat.prepared_mark(model) == _compat.PREPARED_MARK
+    assert "Ensure we can't double wrap a model" in inspect.getsource(inspect.unwrap(Accelerator.prepare_model))
+    assert _compat.prepared_mark(torch.nn.Linear(2, 2)) is None
+
+
 def test_route_unscale_is_what_gradscaler_reads_grads_through():
     """hf_zero/integrations/amp.py relies on torch's GradScaler finding an optimizer's grads only
     through ``_unscale_grads_`` (in ``unscale_`` and in ``step`` without one), and on ``step``

@@ -300,7 +300,7 @@ def _trainer_runs(rank, world_size, output_dir):
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(world_size))
 
     class SeamTrainer(Trainer):
-        seam, started, record = False, [], []
+        seam, started, record, overlapped = False, [], [], None
 
         def create_optimizer(self, *args, **kwargs):
             opt = super().create_optimizer(*args, **kwargs)
@@ -312,7 +312,9 @@ def _trainer_runs(rank, world_size, output_dir):
             if not self.record:  # after binding: the probe runs after the overlap's hooks
                 _probe(self.model, self.started, self.record)
             self.record.append(("step", 0, 0))
-            return super().training_step(model, inputs, *args, **kwargs)
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            self.overlapped = self.optimizer.optimizer.overlaps_param_sync  # during the run (its end unbinds)
+            return loss
 
     out = {}
     for kind in KINDS:
@@ -326,10 +328,9 @@ def _trainer_runs(rank, world_size, output_dir):
             trainer = SeamTrainer(model=model, args=args, train_dataset=_Tokens())
             trainer.seam, trainer.record = overlap, []
             trainer.train()
-            opt = trainer.optimizer.optimizer
             out[kind, overlap] = {
                 "params": [p.detach().clone() for p in model.parameters()],
-                "overlap": opt.overlaps_param_sync, "delayed": len(trainer.started),
+                "overlap": trainer.overlapped, "delayed": len(trainer.started),
                 "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
                 "record": trainer.record,
             }
@@ -368,12 +369,13 @@ class _Sync:
 def _launched(units=("Block",)):
     """An overlap over ``SeamLM("mha")`` with one stand-in sync per param (buffer = param
     index); a probe pre-hook on the root records which buffers were waited for by then."""
+    from hf_zero._binding import Binding
     from hf_zero._overlap import ParamSyncOverlap, Units
 
     model = SeamLM("mha")
     reader = Reader(model.blocks[-1].attn.out_proj)  # built before any sync is in flight
     overlap = ParamSyncOverlap()
-    overlap.attach(model, Units(model, units))
+    overlap.attach(model, Units(model, units), Binding())
     params = list(model.parameters())
     order = overlap.launch_order(list(range(len(params))), {id(p): i for i, p in enumerate(params)})
     syncs = {b: _Sync() for b in order}

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from .._binding import Hook
 from .._engine import queue_end_of_backward
 
 _ATTACHED: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()
@@ -52,6 +53,7 @@ def attach_grad_averaging(model: torch.nn.Module, optimizer, *, syncing: Callabl
     will never reduce (``optimizer.mark_ddp_reduced()`` is called here).
     ``syncing`` (read at each forward; the same on every rank) skips the backwards
     DDP does not sync either, i.e. the non-final micro-batches of gradient accumulation.
+    The hook is the optimizer's binding's (``optimizer.unbind()`` removes it).
     """
     optimizer.mark_ddp_reduced()
     if optimizer.world_size == 1:
@@ -63,19 +65,25 @@ def attach_grad_averaging(model: torch.nn.Module, optimizer, *, syncing: Callabl
     unreduced = optimizer.unreduced_params()
     if not unreduced:
         return  # DDP reduces every param this optimizer can ever train
-    opt_ref = weakref.ref(optimizer)
+    handle = model.register_forward_hook(_Averaging(optimizer, unreduced, syncing))
+    _ATTACHED[model] = optimizer.gradient_path.binding.keep(handle)
 
-    def average() -> None:
-        opt = opt_ref()
-        if opt is not None:
-            opt.average_unreduced_grads()
 
-    def after_forward(module, args, output):
-        if not torch.is_grad_enabled() or not any(p.requires_grad for p in unreduced):
+class _Averaging(Hook):
+    """The forward hook of :func:`attach_grad_averaging`: queue the averaging at the end of the backward."""
+
+    __slots__ = ("_opt", "_unreduced", "_syncing")
+
+    def __init__(self, optimizer, unreduced: list, syncing: Callable[[], bool] | None):
+        self._opt, self._unreduced, self._syncing = weakref.ref(optimizer), unreduced, syncing
+
+    def __call__(self, module, args, output):
+        if not torch.is_grad_enabled() or not any(p.requires_grad for p in self._unreduced):
             return
-        if syncing is not None and not syncing():
+        if self._syncing is not None and not self._syncing():
             return
         queued = [False]
+        opt_ref = self._opt
 
         def on_output_grad(grad):
             if not queued[0]:
@@ -83,7 +91,9 @@ def attach_grad_averaging(model: torch.nn.Module, optimizer, *, syncing: Callabl
 
                 def run():
                     queued[0] = False
-                    average()
+                    opt = opt_ref()
+                    if opt is not None:
+                        opt.average_unreduced_grads()
 
                 queue_end_of_backward(run)
             return None
@@ -92,16 +102,13 @@ def attach_grad_averaging(model: torch.nn.Module, optimizer, *, syncing: Callabl
             if t.requires_grad:
                 t.register_hook(on_output_grad)
 
-    _ATTACHED[model] = model.register_forward_hook(after_forward)
-
-
 
 def guard_frozen_under_ddp(model: torch.nn.Module, optimizer, *, find_unused_parameters: bool, hint: str) -> None:
     """Fail at the forward, on every rank, when a param DDP reduces has been frozen while
     DDP was built with ``find_unused_parameters=False``: DDP would raise an opaque error
     one iteration later, after a backward that left the other grads of its bucket
     unreduced. Call when DDP has just been built; idempotent per ``model``; ``hint``
-    says what to set instead."""
+    says what to set instead. The hook is the optimizer's binding's."""
     model = unwrap_ddp(model)
     previous = _GUARDED.pop(model, None)
     if previous is not None:
@@ -109,21 +116,29 @@ def guard_frozen_under_ddp(model: torch.nn.Module, optimizer, *, find_unused_par
     if find_unused_parameters or optimizer.world_size == 1 or optimizer.gradient_path.stage == 2:
         return  # stage 2 has no DDP: its own reducer re-plans at a freeze
     reduced = [i for i, p in enumerate(optimizer.params) if p.requires_grad]
-    opt_ref = weakref.ref(optimizer)
+    handle = model.register_forward_pre_hook(_FreezeGuard(optimizer, reduced, hint))
+    _GUARDED[model] = optimizer.gradient_path.binding.keep(handle)
 
-    def before_forward(module, args):
-        opt = opt_ref()
+
+class _FreezeGuard(Hook):
+    """The forward pre-hook of :func:`guard_frozen_under_ddp`."""
+
+    __slots__ = ("_opt", "_reduced", "_hint")
+
+    def __init__(self, optimizer, reduced: list[int], hint: str):
+        self._opt, self._reduced, self._hint = weakref.ref(optimizer), reduced, hint
+
+    def __call__(self, module, args) -> None:
+        opt = self._opt()
         if opt is None or not torch.is_grad_enabled():
             return
         params = opt.params
-        frozen = [i for i in reduced if not params[i].requires_grad]
+        frozen = [i for i in self._reduced if not params[i].requires_grad]
         if frozen:
             raise ValueError(
                 f"hf_zero: {opt.param_label(frozen[0])} was frozen after DistributedDataParallel was built with "
-                f"find_unused_parameters=False, which DDP cannot handle. {hint}"
+                f"find_unused_parameters=False, which DDP cannot handle. {self._hint}"
             )
-
-    _GUARDED[model] = model.register_forward_pre_hook(before_forward)
 
 
 _GUARDED: "weakref.WeakKeyDictionary[torch.nn.Module, object]" = weakref.WeakKeyDictionary()

@@ -131,6 +131,18 @@ def prepare_without_ddp(accelerator_class: type, wanted: Callable[[Any, Any], bo
     accelerator_class.prepare_model = prepare_model
 
 
+# Accelerate 1.3 to 1.15 mark a prepared model with this instance attribute and return a marked model
+# from prepare_model untouched (accelerator.py, "Ensure we can't double wrap a model"). Under stage 2 the
+# marked model is the user's own module (no DDP wrapper carries the mark), so a later Accelerator (a second
+# Trainer) would not prepare it at all, not even wrap it in DDP: the binding removes the mark at its end.
+PREPARED_MARK = "_is_accelerate_prepared"
+
+
+def prepared_mark(model) -> str | None:
+    """The name of the instance attribute by which Accelerate marked ``model`` prepared, or None."""
+    return PREPARED_MARK if getattr(model, "__dict__", {}).get(PREPARED_MARK) is True else None
+
+
 # -- torch -----------------------------------------------------------------------------
 # torch.amp.GradScaler._unscale_grads_'s parameters, read in torch 2.13 (FSDP's ShardedGradScaler overrides it
 # with the same ones); route_unscale checks them when it is used, tests/test_compat.py what the scaler does with it.

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _offline
+from .._binding import Hook
+from .._masters import watch_alias
 from .._optimizer import ZeroBucketOptimizer
 from . import _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
@@ -92,6 +94,9 @@ def prepare_accelerator(accelerator, *, sharded_checkpoints: bool | None = None)
       ``<output_dir>/hf_zero_optimizer`` (``save_sharded``; all ranks must see the
       directory) and ``optimizer.bin`` is a small reference to it. ``load_state`` loads
       such a directory whenever the checkpoint has one, on any number of processes.
+
+    - unbinds every ZeroBucketOptimizer (``optimizer.unbind()``) in ``end_training()``,
+      ``free_memory()`` and ``clear()``: the model keeps no hook or attribute of hf_zero's.
 
     ``sharded_checkpoints``: ``None`` (default) as above when the optimizer shards over
     several ranks, a plain ``optimizer.bin`` on one process (nothing to gather); ``True``:
@@ -180,6 +185,9 @@ def _bind_stage2(accelerator, opt: ZeroBucketOptimizer, model: torch.nn.Module) 
     options = {"bucket_cap_mb": getattr(handler, "bucket_cap_mb", None) or 25, "local_accumulation": False,
                "broadcast_buffers": True if buffers is None else bool(buffers), **_BIND_OPTIONS.get(opt, {})}
     opt.bind_module(model, **options)
+    mark = _compat.prepared_mark(model)
+    if mark is not None:  # Accelerate marked the user's own module: unmarked when the binding ends
+        opt.gradient_path.binding.adopt_attribute(model, mark)
 
 
 def _refuse_engines(accelerator) -> None:
@@ -208,13 +216,26 @@ def _grads_as_bucket_views(accelerator) -> None:
 def _wire(accelerator, prepared=None) -> bool:
     """Wire ``accelerator`` for the ZeroBucketOptimizers it prepared so far; return
     whether it has any. Idempotent (safe after every prepare call). ``prepared``: what
-    the prepare call just returned."""
+    the prepare call just returned. In order: refuse what cannot run, bind each optimizer
+    (its binding holds what goes on the model: [Note: a binding ends with its run]), and
+    hook the accelerator once (saves, loads, clipping, the end of the run)."""
     wiring = _WIRED.setdefault(accelerator, _Wiring())
     if isinstance(prepared, torch.nn.parallel.DistributedDataParallel):
         wiring.ddps.add(prepared)
     optimizers = [o for o in map(ours, _compat.prepared_optimizers(accelerator)) if o is not None]
     if not optimizers:
         return False
+    _refuse_run(accelerator, optimizers)
+    for opt in optimizers:
+        _bind(accelerator, wiring, opt)
+    if not wiring.hooked:
+        _hook_accelerator(accelerator)
+        wiring.hooked = True
+    return True
+
+
+def _refuse_run(accelerator, optimizers: list[ZeroBucketOptimizer]) -> None:
+    """Refuse, before anything is bound, the runs hf_zero cannot serve."""
     _refuse_engines(accelerator)
     if getattr(accelerator.project_configuration, "save_on_each_node", False):
         raise ValueError(
@@ -231,43 +252,56 @@ def _wire(accelerator, prepared=None) -> bool:
                 "Launch with `accelerate launch --multi_gpu --num_processes N` (on CPU set ACCELERATE_USE_CPU=1), "
                 "or pass process_group= to shard over a group of your choice."
             )
-        if _stage2(opt) and getattr(accelerator, "scaler", None) is not None:
-            # fp16: the scaler unscales and inf-checks the shards ([Note: GradScaler over sharded grads], amp.py)
-            prepare_grad_scaler(accelerator.scaler)
-        ids = {id(p) for p in opt.params}
-        for ddp in list(wiring.ddps):
-            if any(id(p) in ids for p in ddp.module.parameters()):
-                if _stage2(opt):
-                    raise ValueError(
-                        "hf_zero: stage=2 takes gradient synchronisation over from DistributedDataParallel, but an "
-                        "earlier accelerator.prepare call wrapped the model holding this optimizer's params in DDP "
-                        "before the optimizer was prepared. Prepare them in one call, accelerator.prepare(model, "
-                        "optimizer, ...), or prepare the optimizer before the model"
-                    )
-                # Reduce-scatter by default (clipping is routed below); the overlapped sync
-                # stays opt-in, as a loop may read params anywhere (docs/gradient_path.md),
-                # and waits per transformer block when on.
-                opt.bind_ddp(
-                    ddp, grad_reduce_default="reduce_scatter", overlap_default=False,
-                    syncs_every_backward=_syncs_each_batch(accelerator),
-                    grad_scaler=getattr(accelerator, "scaler", None) is not None,
-                    overlap_units=_compat.block_classes(ddp.module),
-                )
-        for model in _compat.prepared_models(accelerator):
-            if _stage2(opt) and _holds(opt, model):
-                _bind_stage2(accelerator, opt, model)
-            elif any(id(p) in ids for p in unwrap_ddp(model).parameters()):
-                attach_grad_averaging(model, opt, syncing=lambda: accelerator.sync_gradients)
-                guard_frozen_under_ddp(model, opt, find_unused_parameters=_find_unused(accelerator), hint=_DDP_HINT)
-    if not wiring.hooked:
-        accelerator.register_save_state_pre_hook(_save_hook(accelerator))
-        accelerator.register_load_state_pre_hook(_load_hook(accelerator))
-        accelerator.get_state_dict = _owning_get_state_dict(accelerator, accelerator.get_state_dict)
-        route_clipping(accelerator, lambda: [opt for _, opt in _indexed(accelerator)])
-        accelerator.end_training = _draining_end_training(accelerator, accelerator.end_training)
-        accelerator.save_state = _plain_after_save_state(accelerator, accelerator.save_state)
-        wiring.hooked = True
-    return True
+
+
+def _bind(accelerator, wiring: _Wiring, opt: ZeroBucketOptimizer) -> None:
+    """Bind ``opt`` to what the accelerator prepared: its GradScaler (stage 2), the DDP wrapping its params
+    (stage 1) or the unwrapped model holding them (stage 2), and the grad averaging and freeze guard on
+    that model (stage 1). Idempotent."""
+    if _stage2(opt) and getattr(accelerator, "scaler", None) is not None:
+        # fp16: the scaler unscales and inf-checks the shards ([Note: GradScaler over sharded grads], amp.py)
+        prepare_grad_scaler(accelerator.scaler)
+    ids = {id(p) for p in opt.params}
+    for ddp in list(wiring.ddps):
+        if not any(id(p) in ids for p in ddp.module.parameters()):
+            continue
+        if _stage2(opt):
+            raise ValueError(
+                "hf_zero: stage=2 takes gradient synchronisation over from DistributedDataParallel, but an "
+                "earlier accelerator.prepare call wrapped the model holding this optimizer's params in DDP "
+                "before the optimizer was prepared. Prepare them in one call, accelerator.prepare(model, "
+                "optimizer, ...), or prepare the optimizer before the model"
+            )
+        # Reduce-scatter by default (clipping is routed below); the overlapped sync
+        # stays opt-in, as a loop may read params anywhere (docs/gradient_path.md),
+        # and waits per transformer block when on.
+        opt.bind_ddp(
+            ddp, grad_reduce_default="reduce_scatter", overlap_default=False,
+            syncs_every_backward=_syncs_each_batch(accelerator),
+            grad_scaler=getattr(accelerator, "scaler", None) is not None,
+            overlap_units=_compat.block_classes(ddp.module),
+        )
+    for model in _compat.prepared_models(accelerator):
+        if _stage2(opt) and _holds(opt, model):
+            _bind_stage2(accelerator, opt, model)
+        elif any(id(p) in ids for p in unwrap_ddp(model).parameters()):
+            attach_grad_averaging(model, opt, syncing=lambda: accelerator.sync_gradients)
+            guard_frozen_under_ddp(model, opt, find_unused_parameters=_find_unused(accelerator), hint=_DDP_HINT)
+
+
+def _hook_accelerator(accelerator) -> None:
+    """Once per accelerator: its save / load hooks, ``get_state_dict`` giving views their own storage,
+    clipping routed to the optimizers, ``save_state`` writing plain files when asked, and the run's ends
+    (``end_training``, ``free_memory``, ``clear``) unbinding every optimizer ([Note: a binding ends with its
+    run]). Accelerate has no hook for most of these: instance attributes wrapping its methods."""
+    accelerator.register_save_state_pre_hook(_save_hook(accelerator))
+    accelerator.register_load_state_pre_hook(_load_hook(accelerator))
+    accelerator.get_state_dict = _owning_get_state_dict(accelerator, accelerator.get_state_dict)
+    route_clipping(accelerator, lambda: [opt for _, opt in _indexed(accelerator)])
+    for name in ("end_training", "free_memory", "clear"):
+        if hasattr(accelerator, name):
+            setattr(accelerator, name, _unbinding(accelerator, getattr(accelerator, name)))
+    accelerator.save_state = _plain_after_save_state(accelerator, accelerator.save_state)
 
 
 def _syncs_each_batch(accelerator) -> bool:
@@ -276,17 +310,18 @@ def _syncs_each_batch(accelerator) -> bool:
     return bool(plugin_kwargs.get("sync_each_batch", False)) and accelerator.gradient_accumulation_steps > 1
 
 
-def _draining_end_training(accelerator, end_training):
-    """``end_training`` that first waits for an overlapped parameter sync (it destroys
-    the process group the sync runs on)."""
+def _unbinding(accelerator, ends):
+    """``end_training`` / ``free_memory`` / ``clear`` that first unbinds every ZeroBucketOptimizer the
+    accelerator prepared (waiting for an overlapped parameter sync: ``end_training`` destroys the
+    process group it runs on; ``free_memory`` drops the optimizers)."""
 
-    def draining(*args, **kwargs):
+    def unbinding(*args, **kwargs):
         for _, opt in _indexed(accelerator):
-            opt.wait_param_sync()
-        return end_training(*args, **kwargs)
+            opt.unbind()
+        return ends(*args, **kwargs)
 
-    draining.__doc__ = end_training.__doc__
-    return draining
+    unbinding.__doc__ = ends.__doc__
+    return unbinding
 
 
 def _find_unused(accelerator) -> bool:
@@ -294,11 +329,11 @@ def _find_unused(accelerator) -> bool:
     return bool(getattr(accelerator.ddp_handler, "find_unused_parameters", False))
 
 
-def _own_storage(state_dict: dict) -> None:
+def _own_storage(state_dict: dict) -> dict[str, torch.Tensor]:
     """Give every tensor that shares storage with a *different* tensor a storage object of
     its own, over the same memory (``torch.from_dlpack``: no copy; savers that refuse or
     copy shared storage, as safetensors and transformers' ``save_pretrained`` do, see
-    separate tensors).
+    separate tensors). Returns the entries replaced (name -> alias).
 
     Exact aliases (tied weights: same data, shape and strides) stay aliases of one
     tensor, so Accelerate still drops the duplicates it is meant to drop.
@@ -307,6 +342,7 @@ def _own_storage(state_dict: dict) -> None:
     for name, t in state_dict.items():
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             by_storage[(t.device, t.untyped_storage().data_ptr())].append(name)
+    replaced = {}
     for names in by_storage.values():
         if len(names) < 2:
             continue
@@ -316,19 +352,30 @@ def _own_storage(state_dict: dict) -> None:
             key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
             if key not in copies:
                 copies[key] = torch.from_dlpack(t.detach())
-            state_dict[name] = copies[key]
+            state_dict[name] = replaced[name] = copies[key]
+    return replaced
 
 
-_ALIASED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+class _OwnStorage(Hook):
+    """The model's state-dict post-hook of :func:`separate_views_in_state_dict` (no ``__slots__``: torch marks
+    the hooks it is given with an attribute)."""
+
+    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        replaced = _own_storage(state_dict)
+        if replaced:
+            # [Note: writes through a state dict's aliases] in _masters.py: the masters follow them
+            params = {prefix + n: p for n, p in module.named_parameters(remove_duplicate=False)}
+            for name, alias in replaced.items():
+                if name in params:
+                    watch_alias(alias, params[name])
 
 
-def separate_views_in_state_dict(model: torch.nn.Module) -> None:
+def separate_views_in_state_dict(model: torch.nn.Module, opt: ZeroBucketOptimizer) -> None:
     """Make ``model.state_dict()`` give bucket views storage objects of their own (see
     :func:`_own_storage`; Trainer saves ``model.state_dict()`` with ``save_pretrained``,
-    which would otherwise clone every one of them: the whole model once more). Idempotent."""
-    if model not in _ALIASED:
-        model.register_state_dict_post_hook(lambda module, state_dict, prefix, local_metadata: _own_storage(state_dict))
-        _ALIASED.add(model)
+    which would otherwise clone every one of them: the whole model once more), until
+    ``opt.unbind()``. Idempotent."""
+    opt.gradient_path.binding.once(model, "own_storage", lambda: model.register_state_dict_post_hook(_OwnStorage()))
 
 
 def _owning_get_state_dict(accelerator, get_state_dict):

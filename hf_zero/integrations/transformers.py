@@ -387,6 +387,9 @@ class ZeroBucketCallback(TrainerCallback):
       the sharded state (any number of processes), from the resumed checkpoint; a
       Trainer with another optimizer (``--optim adamw_torch``) resuming such a
       checkpoint gets the plain state dict built from those files;
+    - at train end it unbinds the optimizer (``optimizer.unbind()``): the model keeps no
+      hook or attribute of hf_zero's, so a later Trainer on it (or a second ``train()``)
+      binds it afresh;
     - it adds ZeRO facts (per-rank trainable elements and optimizer-state bytes,
       rebuild count) to ``state.log_history`` at train begin and after each rebuild,
       and to the next logged line.
@@ -461,7 +464,7 @@ class ZeroBucketCallback(TrainerCallback):
 
         attach_grad_averaging(model, opt, syncing=lambda: GradientState().sync_gradients)
         if model is not None:
-            separate_views_in_state_dict(model)  # saved without a copy of the model
+            separate_views_in_state_dict(model, opt)  # saved without a copy of the model
         guard_frozen_under_ddp(model, opt, find_unused_parameters=_compat.ddp_find_unused_parameters(args, model), hint=_DDP_HINT)
         # Trainer loaded optimizer.pt before this event; a sharded reference is loaded
         # here, before any step (collective).
@@ -479,6 +482,9 @@ class ZeroBucketCallback(TrainerCallback):
         opt = self._mine(optimizer)
         if opt is not None:
             opt.wait_param_sync()
+            # the model is the user's again ([Note: a binding ends with its run]): a later Trainer on it,
+            # or a second train(), binds it afresh
+            opt.unbind()
             # [Note: exit after a last gather] Trainer's last collective (store_flos's
             # all_gather) returns before gloo's worker thread has freed the work, which needs
             # the GIL; when the process ends right after, torch frees DDP's Reducer holding the

@@ -1,0 +1,103 @@
+"""What one run attaches to a user's module and its params, held in one place and removed at its end.
+
+[Note: a binding ends with its run]
+torch's DDP ``Reducer`` registers its autograd hooks in one place and removes them in its
+destructor: drop the DDP wrapper and the module is plain again. hf_zero's stage 2 hooks the
+user's own module (per-param hooks, forward hooks, ``no_sync``), and its integrations hook the
+unwrapped model under stage 1 too (the grad averaging and freeze guard of
+``integrations/_backward.py``, the state-dict hook that gives bucket views their own storage,
+the overlapped sync's forward hooks). All of it goes through one :class:`Binding` per optimizer:
+it keeps every ``RemovableHandle`` and every attribute it set, and :meth:`Binding.close` removes
+them, leaving the module's hooks and attributes those of a module never bound. The optimizer
+closes it in ``unbind()`` and when it is garbage-collected (``weakref.finalize``); the Trainer
+wiring at ``on_train_end``, the Accelerate wiring at ``end_training`` / ``free_memory`` /
+``clear``. A later bind opens it again (a second Trainer on the same model).
+
+Hooks keep nothing alive (their owner is held weakly) and copy as nothing: a :class:`Hook`
+pickles and deep-copies as :func:`inert`, a no-op, so ``torch.save(model)`` and
+``copy.deepcopy(model)`` of a bound model work and the copy is not bound. (A param's
+post-accumulate-grad hooks are not copied by torch at all.) Per step nothing is added: hooks
+are registered once per bind.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+
+def inert(*args: Any, **kwargs: Any) -> None:
+    """What a copied :class:`Hook` becomes: a hook that does nothing."""
+    return None
+
+
+def _inert() -> Callable[..., None]:
+    return inert
+
+
+class Hook:
+    """Base of hf_zero's hooks on user objects: pickled or deep-copied, a hook is :func:`inert`
+    (the copy of a bound module is not bound)."""
+
+    __slots__ = ("__weakref__",)
+    __torch_unserializable__ = True  # a param's tensor hook: torch.save leaves it out without a warning
+
+    def __reduce__(self):
+        return (_inert, ())
+
+
+class Binding:
+    """The hook handles and attributes one optimizer attached to user objects (see
+    [Note: a binding ends with its run]). Holds no user object alive."""
+
+    def __init__(self) -> None:
+        self._handles: list = []
+        self._attributes: list[tuple[weakref.ref, str, Any]] = []
+        self._on_close: list[Callable[[], None]] = []
+        self._once: set = set()  # (weakref to an object, what) registered by once()
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing is attached."""
+        return not (self._handles or self._attributes or self._on_close)
+
+    def keep(self, handle):
+        """Keep ``handle`` (a ``RemovableHandle``) until :meth:`close`; returns it."""
+        self._handles.append(handle)
+        return handle
+
+    def once(self, obj: Any, what: str, register: Callable[[], Any]) -> None:
+        """Keep ``register()``'s handle unless ``what`` is registered on ``obj`` already (until :meth:`close`)."""
+        key = (weakref.ref(obj), what)
+        if key not in self._once:
+            self.keep(register())
+            self._once.add(key)
+
+    def set_attribute(self, obj: Any, name: str, value: Any) -> None:
+        """``setattr(obj, name, value)``, deleted again at :meth:`close` (if still ``value``)."""
+        setattr(obj, name, value)
+        self._attributes.append((weakref.ref(obj), name, value))
+
+    def adopt_attribute(self, obj: Any, name: str) -> None:
+        """Delete ``obj``'s instance attribute ``name`` (set by another library because of this binding) at
+        :meth:`close`, if it is still the value it has now."""
+        self._attributes.append((weakref.ref(obj), name, obj.__dict__[name]))
+
+    def on_close(self, undo: Callable[[], None]) -> None:
+        """Call ``undo`` at :meth:`close` (before the handles are removed), once."""
+        self._on_close.append(undo)
+
+    def close(self) -> None:
+        """Remove every hook and attribute kept; idempotent."""
+        undo, self._on_close = self._on_close, []
+        for fn in reversed(undo):
+            fn()
+        handles, self._handles = self._handles, []
+        self._once = set()
+        for handle in reversed(handles):
+            handle.remove()
+        attributes, self._attributes = self._attributes, []
+        for ref, name, value in reversed(attributes):
+            obj = ref()
+            if obj is not None and getattr(obj, "__dict__", {}).get(name) is value:
+                delattr(obj, name)
