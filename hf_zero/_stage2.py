@@ -437,8 +437,9 @@ class Reducer:
         self.step_taken()
         self.module_ref, self._param_hooks, self._coverage_due = None, None, False
         self._plan_key, self._accumulators = None, {}
+        broadcasting, self._broadcast_buffers = self._broadcast_buffers, False
         if module is not None:
-            _detach(module)
+            _detach(module, broadcasting)
 
     @property
     def suspended(self) -> bool:
@@ -770,13 +771,15 @@ def _attach(module: torch.nn.Module, reducer: Reducer) -> None:
     module.no_sync = _NoSync(_reducers_of(module) if reducer.local_accumulation else ())
 
 
-def _detach(module: torch.nn.Module) -> None:
-    """A reducer of ``module`` was unbound: the others keep the forward hooks and a ``no_sync`` of their own;
-    the last one leaves the module as it found it ([Note: a binding ends with its run])."""
+def _detach(module: torch.nn.Module, broadcasting: bool) -> None:
+    """A reducer of ``module`` was unbound (``broadcasting``: the one that sent rank 0's buffers): the others
+    keep the forward hooks, a ``no_sync`` of their own and the buffers' broadcast; the last one leaves the
+    module as it found it ([Note: a binding ends with its run])."""
     live = _reducers_of(module)
     if live:
         _BOUND[module] = [weakref.ref(r) for r in live]
         module.no_sync = _NoSync(live if live[0].local_accumulation else ())
+        live[0]._broadcast_buffers |= broadcasting
         return
     _BOUND.pop(module, None)
     for handle in _HOOKED.pop(module, ()):

@@ -156,6 +156,52 @@ def test_two_optimizers_on_one_module_unbind_one_at_a_time():
     assert _hooks_and_attributes(model) == _hooks_and_attributes(MLP())
 
 
+class _Counting(nn.Module):
+    """A linear layer and a buffer each forward adds rank + 1 to (BatchNorm's running stats, say)."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.rank = rank
+        self.first, self.second = nn.Linear(3, 2).double(), nn.Linear(2, 1).double()
+        self.register_buffer("seen", torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x):
+        self.seen += self.rank + 1
+        return self.second(self.first(x)).sum()
+
+
+def _buffers_after_an_unbind(rank, world_size, unbind_first: bool):
+    """Two stage-2 optimizers on one module; the first bound (which sends rank 0's buffers) unbinds
+    after two steps, or stays; the second goes on for two more. Returns the buffer on this rank."""
+    model = _Counting(rank)
+    first = hf_zero.ZeroBucketOptimizer(model.first.parameters(), torch.optim.SGD, lr=0.1, stage=2)
+    second = hf_zero.ZeroBucketOptimizer(model.second.parameters(), torch.optim.SGD, lr=0.1, stage=2)
+    first.bind_module(model)
+    second.bind_module(model)
+    x = torch.ones(2, 3, dtype=torch.float64)
+    for step in range(4):
+        if step == 2 and unbind_first:
+            first.unbind()
+            model.first.requires_grad_(False)  # no bound optimizer holds it now
+        model(x).backward()
+        for opt in (first, second) if step < 2 or not unbind_first else (second,):
+            opt.step()
+            opt.zero_grad()
+    model(x)  # the next training forward takes rank 0's buffers
+    return model.seen.item()
+
+
+def test_the_buffers_broadcast_goes_on_when_the_optimizer_that_sent_them_unbinds():
+    """Only the first stage-2 optimizer bound to a module sends rank 0's buffers; when it unbinds, the
+    ones still bound take over: every rank's buffer then equals what it is with both bound throughout
+    (rank 0's count, plus this rank's last forward), as under DDP's broadcast_buffers."""
+    both = run_ranks(_buffers_after_an_unbind, 2, False, timeout=90)
+    after = run_ranks(_buffers_after_an_unbind, 2, True, timeout=90)
+    assert both == [5.0, 6.0]  # rank 0: 5 forwards of 1; rank 1: rank 0's 4, then its own 2
+    assert after == both
+
+
 @pytest.mark.fast
 @pytest.mark.parametrize("end", ["unbind", "collected"])
 def test_an_ended_binding_between_backward_and_step_leaves_no_stand_ins(end):
