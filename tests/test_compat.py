@@ -206,7 +206,8 @@ def test_prepare_without_ddp_relies_on_evaluation_mode_skipping_only_the_ddp_wra
 
 def test_accelerate_marks_a_prepared_model_and_leaves_a_marked_one_alone():
     """The binding removes Accelerate's mark from a stage-2 model at its end (``_compat.prepared_mark``):
-    Accelerate must still mark the model it returns, and return a marked model unprepared."""
+    Accelerate must still mark the model it returns and, where prepare_model reads the mark, return a
+    marked model unprepared (the lowest Accelerate setup.cfg allows marks it without reading it)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
 
@@ -215,7 +216,9 @@ def test_accelerate_marks_a_prepared_model_and_leaves_a_marked_one_alone():
     accelerator = Accelerator(cpu=True)
     model = accelerator.prepare(torch.nn.Linear(2, 2))
     assert _compat.prepared_mark(model) == _compat.PREPARED_MARK
-    assert "Ensure we can't double wrap a model" in inspect.getsource(inspect.unwrap(Accelerator.prepare_model))
+    # Accelerate 1.15 returns a marked model unprepared (why the binding removes the mark); 1.3 never reads it there
+    source = inspect.getsource(inspect.unwrap(Accelerator.prepare_model))
+    assert ("Ensure we can't double wrap a model" in source) == (_compat.PREPARED_MARK in source)
     assert _compat.prepared_mark(torch.nn.Linear(2, 2)) is None
 
 
