@@ -238,8 +238,8 @@ def plan(
     params never have masters. Every rank holds the params and the grads once (``p.grad``
     a view of DDP's bucket) and at most one bucket (``bucket_cap_mb``) of
     reduce-scatter scratch. ``stage=2``: each rank holds only its shard of the grads
-    (the owned ranges of stage 2's buckets, in float32 for 16-bit params unless
-    ``grad_accum_dtype="param"``: the optimizer's option) and up to
+    (the owned ranges of stage 2's buckets, in the params' dtype unless
+    ``grad_accum_dtype="fp32"``, the optimizer's option, widens 16-bit ones) and up to
     ``MAX_IN_FLIGHT + 1`` reduce buckets of ``bucket_cap_mb`` during the backward
     (docs/stage2.md); the report then has ``stage``, ``reduce_bucket_bytes`` and each
     hf_zero plan's ``grad_shard_bytes_per_rank``.
@@ -591,8 +591,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--stage", type=int, choices=(1, 2), default=1,
                         help="2: gradients sharded too (ZeroBucketOptimizer(stage=2), docs/stage2.md)")
     parser.add_argument("--grad-accum-dtype", choices=GRAD_ACCUM_DTYPES, default="auto",
-                        help="stage 2: the grad shards of 16-bit params in fp32 (auto, the optimizer's default) "
-                        "or in the params' dtype (param)")
+                        help="stage 2: the grad shards of 16-bit params in the params' dtype (auto, the optimizer's "
+                        "default: param) or in fp32 (fp32)")
     parser.add_argument("--device-memory", metavar="SIZE",
                         help="say which of stage 1, stage 2 or FSDP2 fits SIZE per rank (e.g. 24GiB, 80GB)")
     parser.add_argument("--activation-memory", metavar="SIZE",

@@ -268,8 +268,9 @@ def test_master_weights_option_is_named():
 
 
 @pytest.mark.parametrize("dtype, accum, analytic, itemsize", [
-    ("bfloat16", "auto", 2 + 16 / 8, 4),  # fp32 grad shards ([Note: what stage 2 accumulates in])
+    ("bfloat16", "auto", 2 + 14 / 8, 2),  # shards in the params' dtype ([Note: what stage 2 accumulates in])
     ("bfloat16", "param", 2 + 14 / 8, 2),
+    ("bfloat16", "fp32", 2 + 16 / 8, 4),
     ("float32", "auto", 4 + 12 / 8, 4),
 ])
 def test_stage2_llama_3_8b_bytes_per_param_at_8_ranks(capsys, dtype, accum, analytic, itemsize):

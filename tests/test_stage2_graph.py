@@ -408,7 +408,7 @@ def _bf16_masters(rank, world_size):
     from hf_zero import ZeroBucketOptimizer
 
     opt = ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, stage=2, master_weights=True, lr=1e-3,
-                              weight_decay=0.1)
+                              weight_decay=0.1, grad_accum_dtype="fp32")
     opt.bind_module(model, bucket_cap_mb=0.0001)
     local, after = [], []
     for step in range(BF16_STEPS):
@@ -427,7 +427,7 @@ def _bf16_masters(rank, world_size):
 
 
 def _bf16_reference(per_rank):
-    """fp32 masters stepped by AdamW on the 2-rank average of the bf16 grads, summed in fp32 as the default
+    """fp32 masters stepped by AdamW on the 2-rank average of the bf16 grads, summed in fp32 as
     ``grad_accum_dtype="fp32"`` shards sum them ((a + b) / 2 in fp32: the same bits as the reduce-scatter's
     a/2 + b/2 summed into a float32 shard), rounded into bf16 params (tests/test_masters.py)."""
     model = build_model("mlp", torch.bfloat16)

@@ -96,7 +96,7 @@ def parse_optim_args(optim_args: dict[str, str], params=None) -> dict[str, Any]:
     - ``local_accumulation``: bool, default false, stage 2 only: with gradient accumulation keep
       each rank's full local grads until the last micro-batch (DDP's ``no_sync``: fewer bytes
       sent, a full gradient held) instead of reducing every micro-batch into the shards;
-    - ``grad_accum_dtype``: ``auto`` (default, ``fp32``), ``fp32`` or ``param``, stage 2 only: what
+    - ``grad_accum_dtype``: ``auto`` (default, ``param``), ``fp32`` or ``param``, stage 2 only: what
       the grad shards of bf16/fp16 params sum micro-batches and ranks in: float32 (+2/N bytes per
       param; the exact sum up to float32 roundings) or the params' dtype (one 16-bit rounding per
       micro-batch; bitwise stage 1 without accumulation or with ``local_accumulation=true``);
