@@ -135,7 +135,8 @@ class Master:
 # was read, the entry is dropped (a save's state dict lives until it is written, so its entries go at
 # the next step). With no alias watched the check is one test of an empty list.
 _ALIASES: list[list] = []  # [weak reference to the alias, its detach(), the counter seen, the param weakly]
-_WRITTEN: set[int] = set()  # id(param) of params written through an alias, until their partition follows
+# id(param) -> param written through an alias, until its partition follows (weak: a param gone takes its id along)
+_WRITTEN: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
 
 
 def watch_alias(alias: torch.Tensor, param: torch.Tensor) -> None:
@@ -150,9 +151,9 @@ def aliases_watched() -> bool:
     return bool(_ALIASES) or bool(_WRITTEN)
 
 
-def written_through_aliases() -> set[int]:
-    """``id(param)`` of the params written through a watched alias and not yet followed (a set the
-    caller removes the params it followed from); forgets the aliases that are gone."""
+def written_through_aliases() -> "weakref.WeakValueDictionary[int, torch.Tensor]":
+    """``id(param) -> param`` for the params written through a watched alias and not yet followed (the
+    caller pops the params it followed); forgets the aliases that are gone."""
     kept = []
     for entry in _ALIASES:
         ref, twin, version, param = entry
@@ -160,7 +161,7 @@ def written_through_aliases() -> set[int]:
             entry[2] = version_of(twin)
             p = param()
             if p is not None:
-                _WRITTEN.add(id(p))
+                _WRITTEN[id(p)] = p
         if ref() is not None:
             kept.append(entry)
     _ALIASES[:] = kept

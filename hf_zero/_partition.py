@@ -183,8 +183,9 @@ class Partition:
         for lp in self.pieces:
             if lp.master is not None:
                 lp.master.follow_edits(bool(written) and id(lp.param) in written)
-        if written:
-            written.difference_update(id(lp.param) for lp in self.pieces if lp.master is not None)
+        for lp in self.pieces if written else ():
+            if lp.master is not None:
+                written.pop(id(lp.param), None)
 
     def master_bytes(self) -> int:
         """Bytes of the fp32 masters of this rank's pieces."""
