@@ -361,13 +361,19 @@ class _OwnStorage(Hook):
     the hooks it is given with an attribute)."""
 
     def __call__(self, module, state_dict, prefix, local_metadata) -> None:
-        replaced = _own_storage(state_dict)
-        if replaced:
-            # [Note: writes through a state dict's aliases] in _masters.py: the masters follow them
-            params = {prefix + n: p for n, p in module.named_parameters(remove_duplicate=False)}
-            for name, alias in replaced.items():
-                if name in params:
-                    watch_alias(alias, params[name])
+        _own_storage_watched(state_dict, module, prefix)
+
+
+def _own_storage_watched(state_dict: dict, module: torch.nn.Module, prefix: str = "") -> None:
+    """:func:`_own_storage`, and the masters of ``module``'s params (named ``prefix`` + their name in
+    ``state_dict``) follow writes through the aliases it hands out ([Note: writes through a state
+    dict's aliases] in _masters.py)."""
+    replaced = _own_storage(state_dict)
+    if replaced:
+        params = {prefix + n: p for n, p in module.named_parameters(remove_duplicate=False)}
+        for name, alias in replaced.items():
+            if name in params:
+                watch_alias(alias, params[name])
 
 
 def separate_views_in_state_dict(model: torch.nn.Module, opt: ZeroBucketOptimizer) -> None:
@@ -386,7 +392,7 @@ def _owning_get_state_dict(accelerator, get_state_dict):
     def owning(model, *args, **kwargs):
         state_dict = get_state_dict(model, *args, **kwargs)
         if accelerator.is_main_process and isinstance(state_dict, dict):
-            _own_storage(state_dict)
+            _own_storage_watched(state_dict, unwrap_ddp(model))
         return state_dict
 
     owning.__doc__ = get_state_dict.__doc__
