@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from ._layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
-from ._stage2 import GRAD_ACCUM_DTYPES, MAX_IN_FLIGHT, accumulate_dtype, plan_buckets, shard_dtype
+from ._stage2 import GRAD_ACCUM_DTYPES, accumulate_dtype, buckets_in_flight, plan_buckets, shard_dtype
 
 SCHEMA = "hf_zero.plan/3"  # 3: "ledger" (and "fits" with --device-memory)
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
@@ -240,7 +240,7 @@ def plan(
     reduce-scatter scratch. ``stage=2``: each rank holds only its shard of the grads
     (the owned ranges of stage 2's buckets, in the params' dtype unless
     ``grad_accum_dtype="fp32"``, the optimizer's option, widens 16-bit ones) and up to
-    ``MAX_IN_FLIGHT + 1`` reduce buckets of ``bucket_cap_mb`` during the backward
+    two (gloo) or three (NCCL) reduce buckets of ``bucket_cap_mb`` during the backward
     (docs/stage2.md); the report then has ``stage``, ``reduce_bucket_bytes`` and each
     hf_zero plan's ``grad_shard_bytes_per_rank``.
     """
@@ -277,7 +277,8 @@ def plan(
     scratch = min(int(bucket_cap_mb * 2**20), train_numel * itemsize) if world_size > 1 else 0
     buckets = plan_buckets(specs, int(bucket_cap_mb * 2**20)) if stage == 2 else None
     grads = train_numel * itemsize if stage == 1 else 0
-    reduce_buckets = min((MAX_IN_FLIGHT + 1) * int(bucket_cap_mb * 2**20), train_numel * itemsize) if stage == 2 else 0
+    in_flight = buckets_in_flight("reduce_scatter" if backend == "nccl" else "send_recv")
+    reduce_buckets = min((in_flight + 1) * int(bucket_cap_mb * 2**20), train_numel * itemsize) if stage == 2 else 0
     report = {
         "schema": SCHEMA,
         "model": {
@@ -352,7 +353,7 @@ def fits(params: Sequence[NamedParam], *, world_size: int, device_memory: int, a
     """Which of hf_zero stage 1, stage 2 or FSDP2 fits ``device_memory`` bytes per rank for ``params`` on
     ``world_size`` ranks. Each option's bytes: model states as :func:`predict_ledger` predicts them, plus what
     it holds besides at its peak: stage 1, one bucket of reduce-scatter scratch; stage 2, its reduce buckets
-    (``MAX_IN_FLIGHT + 1`` of the largest, a tied embedding's grad among them); FSDP2 (fp32 sharded params,
+    (the ``in_flight + 1`` largest of :func:`predict_ledger`, a tied embedding's grad among them); FSDP2 (fp32 sharded params,
     grads and AdamW state, a 16-bit model computing through ``MixedPrecisionPolicy``), the unsharded params
     alive at once: all of them without resharding, else the root's and two blocks' (one computing, one
     prefetched), blocks being the numbered modules. ``activations``: added to every option when given;
@@ -647,7 +648,7 @@ def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 
                    shard: str = "flat", master_weights: bool = True, bucket_cap_mb: float = _DDP_BUCKET_CAP_MB,
                    buckets: Sequence[Sequence[int]] | None = None, ddp_bucket_view: bool = True,
                    shapes: Sequence[tuple[int, ...]] | None = None, rank: int | None = None,
-                   grad_accum_dtype: str = "auto") -> dict[str, Any]:
+                   grad_accum_dtype: str = "auto", in_flight: int | None = None) -> dict[str, Any]:
     """What ``optimizer.memory_ledger()`` holds on the fullest rank in a steady step (after the first step,
     between a backward and the step), per category ([Note: memory ledger] in _ledger.py), for ``specs`` (the
     optimizer's params, frozen ones included) on ``world_size`` ranks. ``buckets``: the layout's buckets
@@ -655,7 +656,8 @@ def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 
     param's shape (needed by ``shard="param"`` with a factored optimizer); ``rank``: that rank's instead;
     ``grad_accum_dtype``: stage 2's option (the dtype of its 16-bit grad shards). Model states are predicted
     (``model_states``, the sum); stage 2's reduce buckets as bounds (``bucket_bounds``): in use at most
-    ``MAX_IN_FLIGHT + 1`` of the largest buckets, the pool at most that many of the widest pooled one."""
+    ``in_flight + 1`` of the largest buckets, the pool at most that many of the widest pooled one (``in_flight``:
+    the reducer's ``in_flight_limit``; default: NCCL's where the params are on CUDA, else gloo's)."""
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage!r}")
     cap = int(bucket_cap_mb * 2**20)
@@ -691,8 +693,11 @@ def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 
     if stage == 2:
         widths = [max(s.offset + s.numel for s in b.slots) * size[b.dtype] for b in layout.buffers]
         pooled = max((w for w, b in zip(widths, layout.buffers) if w <= cap or len(b.slots) > 1), default=0)
-        out["bucket_bounds"] = {"buckets_in_flight": sum(sorted(widths, reverse=True)[: MAX_IN_FLIGHT + 1]),
-                                "buckets_pooled": (MAX_IN_FLIGHT + 1) * pooled}
+        if in_flight is None:
+            in_flight = buckets_in_flight("reduce_scatter" if any(s.device.startswith("cuda") for s in specs)
+                                          else "send_recv")
+        out["bucket_bounds"] = {"buckets_in_flight": sum(sorted(widths, reverse=True)[: in_flight + 1]),
+                                "buckets_pooled": (in_flight + 1) * pooled}
     return out
 
 
@@ -715,4 +720,5 @@ def predict_for(opt) -> dict[str, Any] | None:
                           shard=opt.shard, master_weights=opt.master_weights, buckets=layout.buckets,
                           ddp_bucket_view=True if bucket_view is None else bucket_view,
                           shapes=[tuple(p.shape) for p in opt.params], rank=opt.rank,
-                          grad_accum_dtype="auto" if reducer is None else ("fp32" if widened else "param"))
+                          grad_accum_dtype="auto" if reducer is None else ("fp32" if widened else "param"),
+                          in_flight=None if reducer is None else reducer.in_flight_limit)

@@ -35,9 +35,12 @@ hooks every param of the optimizer:
   every bucket: every rank reduces every bucket in every syncing backward, so a param
   unused on some ranks is averaged with their zeros (DDP's ``find_unused_parameters``)
   and nothing waits for a grad that never comes.
-- **In flight.** At most :data:`MAX_IN_FLIGHT` buckets are being reduced at once (on
-  gloo point to point one: starting a reduce-scatter finishes the one holding the
-  receive scratch, [Note: reduce-scatter scratch] in _comm.py). The first reduction of a
+- **In flight.** At most :func:`buckets_in_flight` buckets are being reduced at once:
+  :data:`MAX_IN_FLIGHT` with NCCL's reduce-scatter; one where the reduce-scatters take turns
+  with the comm's receive scratch (gloo's point to point, all-to-all: starting one finishes
+  the one holding it, [Note: reduce-scatter scratch] in _comm.py), so a bucket is finished
+  and back in the pool before the next starts, and no third bucket is alive for a
+  reduction that could not run anyway. The first reduction of a
   bucket since the step sums this rank's range straight into its *shard* (the bucket's
   owned range, allocated then and let go at the step; float32 for a 16-bit bucket by default:
   [Note: what stage 2 accumulates in]); a later one (accumulation) adds its average into the
@@ -185,6 +188,13 @@ from ._layout import Layout, Piece, plan_layout
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
 MAX_IN_FLIGHT = 2  # buckets being reduce-scattered at once (see the note)
+
+
+def buckets_in_flight(reduce_scatter_by: str) -> int:
+    """How many buckets a reducer keeps being reduce-scattered at once on a comm that reduce-scatters
+    ``reduce_scatter_by``: one where the reduce-scatters take turns with the receive scratch (point to point,
+    all-to-all: [Note: reduce-scatter scratch] in _comm.py), :data:`MAX_IN_FLIGHT` with NCCL's own."""
+    return MAX_IN_FLIGHT if reduce_scatter_by == "reduce_scatter" else 1
 GRAD_ACCUM_DTYPES = ("auto", "fp32", "param")  # [Note: what stage 2 accumulates in]
 AUTO_GRAD_ACCUM_DTYPE = "param"
 
@@ -392,7 +402,8 @@ class Reducer:
         self._next = 0  # the next buffer to reduce-scatter
         self._filling: dict[int, tuple] = {}  # buffer -> (bucket, pooled base or None, divided by N already)
         self._in_flight: deque = deque()
-        self._pool = _BucketPool(keep=MAX_IN_FLIGHT + 1)
+        self.in_flight_limit = buckets_in_flight(comm.strategy.reduce_scatter_by)
+        self._pool = _BucketPool(keep=self.in_flight_limit + 1)
         # Since the last step.
         self._shards: list = []  # per buffer of the reduced plan: this rank's range, or None
         self._written: set[int] = set()  # buffers whose shard holds grads since the last step
@@ -644,7 +655,7 @@ class Reducer:
             if s.index not in self._placed:
                 buf[s.offset : s.offset + s.numel].zero_()
         self._next = b + 1
-        while len(self._in_flight) >= MAX_IN_FLIGHT:
+        while len(self._in_flight) >= self.in_flight_limit:
             self._finish(*self._in_flight.popleft())
         if self._reduced is not self._plan:
             self._shards, self._reduced = [None] * len(self._plan.sizes), self._plan

@@ -3,7 +3,7 @@
 Every category is held to the bytes the design says, computed by the planner's
 ``predict_ledger`` (itself a function of the layout, tested here against the real tensors):
 params, DDP's buckets or the full grads, grad shards, masters and optimizer state exactly;
-stage 2's reduce buckets within their bounds ((MAX_IN_FLIGHT + 1) buckets); stage 1 with a
+stage 2's reduce buckets within their bounds (one more than the reducer's in-flight limit); stage 1 with a
 DDP built without ``gradient_as_bucket_view`` holds a second copy of the grads, and
 ``bind_ddp`` says so once, with the numbers. 2 gloo ranks, fp32 and bf16.
 """
