@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -150,7 +151,8 @@ class GradientPath:
             reduced = [p for p, r in zip(params, self.ddp_reduced) if r]
             ddp = sum(p.numel() * p.element_size() for p in reduced)
             if self.ddp_bucket_view:
-                views = {p.grad.untyped_storage().data_ptr() for p in reduced if p.grad is not None}
+                views = _bucket_views([p.grad for p in reduced if p.grad is not None],
+                                      set() if self.reducer is None else self.reducer.bucket_storages())
         grads = (p.grad for i, p in enumerate(params) if self.stage2 is None or not _stage2.stands_in(self.stage2, i, p))
         out = {"ddp_buckets": ddp, "full_grads": storage_bytes(grads, views)}
         if self.stage2 is not None:
@@ -279,3 +281,15 @@ def _refuse_needing_ddp(module: torch.nn.Module) -> None:
                 "reduce-scatters, which hf_zero does not order; convert it back to BatchNorm or use "
                 "stage=1 (under DistributedDataParallel)"
             )
+
+
+def _bucket_views(grads: list[torch.Tensor], buckets: set[int]) -> set[int]:
+    """The storages (data pointers) among ``grads`` that are DDP's buckets. A grad accumulated under
+    ``no_sync()`` is a tensor of its own until the syncing backward copies it into its bucket: the buckets
+    are the storages the comm hook saw (``buckets``) or, before it ran, those holding more than one grad."""
+    ptrs = [g.untyped_storage().data_ptr() for g in grads]
+    if buckets:
+        return set(ptrs) & buckets
+    shared = Counter(ptrs)
+    return {p for g, p in zip(grads, ptrs) if shared[p] > 1 or g.untyped_storage().nbytes() > g.nbytes}
+

@@ -76,6 +76,13 @@ class BucketReducer:
         self.finish_in_hook = False
         # Whether anything skips steps on non-finite grads (GradScaler): see the module note.
         self.agree_on_finite = True
+        # bucket index -> its buffer's storage (data pointer): this backward's, and the last syncing backward's
+        self._storages_now: dict[int, int] = {}
+        self._storages: dict[int, int] = {}
+
+    def bucket_storages(self) -> set[int]:
+        """The data pointers of DDP's bucket storages in the last syncing backward (empty before the first): a ``p.grad`` in one of them is a bucket view, not a grad of its own."""
+        return set(self._storages.values())
 
     def step_taken(self) -> None:
         self.reduced_since_step.clear()
@@ -109,6 +116,7 @@ class BucketReducer:
         opt = self._opt()
         structure = tuple(self.seen[k] for k in sorted(self.seen) if self.seen[k] is not None)
         scattered, self.seen, self.scattered = self.scattered, {}, []
+        self._storages, self._storages_now = self._storages_now, {}
         in_scattered, self.scattered_params = self.scattered_params, set()
         if opt is None:
             return
@@ -139,6 +147,7 @@ def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annot
     if opt is None:  # the optimizer is gone: average, as DDP would
         return _done(state.comm.all_reduce_mean_(buffer).wait())
     k = bucket.index()
+    state._storages_now[k] = buffer.untyped_storage().data_ptr()
     if k in state.reduced_since_step:
         raise RuntimeError(
             "hf_zero: a second gradient-syncing backward before optimizer.step(): with "

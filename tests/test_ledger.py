@@ -188,3 +188,33 @@ def test_single_process_ledger_without_ddp():
     n = sum(p.numel() for p in model.parameters())
     assert led.optimizer_state == 8 * n + 4 * len(list(model.parameters()))  # exp_avg, exp_avg_sq, step
     assert led.params == storage_bytes(model.parameters()) and led.params >= 4 * n
+
+
+def _no_sync_grads(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hf_zero import ZeroBucketOptimizer
+
+    model = _model(torch.float32)
+    ddp = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=CAP_MB)
+    opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, grad_reduce="reduce_scatter")
+    opt.bind_ddp(ddp)
+    g = torch.Generator().manual_seed(rank)
+    seen = []
+    for _ in range(3):
+        with ddp.no_sync():  # set to none by the last zero_grad: autograd gives each param a grad of its own
+            ddp(torch.randn(4, 64, generator=g)).pow(2).mean().backward()
+        held = storage_bytes(p.grad for p in model.parameters())
+        seen.append((opt.memory_ledger().full_grads, held))
+        ddp(torch.randn(4, 64, generator=g)).pow(2).mean().backward()  # copied into DDP's buckets, then views
+        seen.append((opt.memory_ledger().full_grads, 0))
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
+def test_grads_accumulated_under_no_sync_are_counted_until_ddp_copies_them_into_its_buckets():
+    for seen in run_ranks(_no_sync_grads, 2, timeout=120):
+        for counted, own in seen:
+            assert counted == own
+        assert seen[2][1] == sum(p.numel() for p in _model(torch.float32).parameters()) * 4
