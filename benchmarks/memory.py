@@ -285,33 +285,95 @@ def _raw_contender(kind: str, model, dtype: str):
 def counted_bytes(kind: str, model, opt, dtype: str) -> dict[str, int]:
     """For a contender without a memory ledger (DDP, FSDP2): what it holds now, counted like the ledger
     (each storage once): params (FSDP2: this rank's shards), ``p.grad``, DDP's buckets where ``p.grad`` is
-    not a view of them, optimizer state, and FSDP2's unsharded params while they are alive (not counted
-    from tensors: every param in the compute dtype without resharding, else the root's and two blocks')."""
+    not a view of them, optimizer state, and FSDP2's unsharded params while they are alive (between a block's
+    forward and its backward FSDP2 puts plain tensors, the gathered params, in place of its sharded ones: each
+    is counted from its storage, and its shard from its size, ``ceil(dim 0 / N)`` rows of float32)."""
+    import math
+
+    import torch.distributed as dist
+
     from hf_zero._ledger import storage_bytes
 
     def local(t):
         return None if t is None else (t.to_local() if hasattr(t, "to_local") else t)
 
     params = list(model.parameters())
-    out = {"params": storage_bytes(local(p) for p in params),
+    gathered = [p for p in params if not hasattr(p, "to_local")] if kind.startswith("fsdp2") else []
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    out = {"params": storage_bytes(local(p) for p in params if not gathered or hasattr(p, "to_local"))
+                     + sum(4 * math.ceil(p.shape[0] / n) * (p.numel() // max(p.shape[0], 1)) for p in gathered),
            "full_grads": storage_bytes(local(p.grad) for p in params),
            "optimizer_state": storage_bytes(local(v) for st in opt.state.values() for v in st.values()
                                             if isinstance(v, torch.Tensor))}
-    if kind == "ddp":  # DDP's buckets, a second copy of the grads
+    if kind in ("ddp", "ddp_view"):  # DDP's buckets: a second copy of the grads, or what p.grad are views of
         out["ddp_buckets"] = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        if kind == "ddp_view":
+            out["full_grads"] = 0
     if kind.startswith("fsdp2"):
-        w = 2 if dtype == "bfloat16" else 4
-        blocks = [sum(p.numel() for p in b.parameters()) for b in model.transformer.h]
-        total = sum(p.numel() for p in params)
-        out["unsharded_params"] = w * (total if kind == "fsdp2" else total - sum(blocks) + 2 * max(blocks))
+        out["unsharded_params"] = storage_bytes(gathered)
     return out
+
+
+_LEDGER_SUMS = ("peaks", "total", "model_states", "peak_total")  # MemoryLedger.as_dict()'s keys that are no holder
+
+
+class _Timeline:
+    """Samples one step: at the end of every module's forward and when the grad of every module's output
+    comes in the backward (a tensor hook: no wrapper around the module), the resident memory above the
+    pre-model baseline and what the optimizer names at that moment (hf_zero's ledger now; DDP and FSDP2
+    counted the same way, :func:`counted_bytes`). ``other`` = resident - named: the activations, autograd's
+    buffers (a tied embedding's pending grad among them) and the allocator, none of them the optimizer's."""
+
+    def __init__(self, kind: str, model, opt, dtype: str, base: int):
+        self.kind, self.model, self.opt, self.dtype, self.base = kind, model, opt, dtype, base
+        self.samples: list[tuple[str, int, dict]] = []
+        self._handles = []
+
+    def named(self) -> dict[str, int]:
+        if self.kind in HF_ZERO:
+            led = self.opt.memory_ledger().as_dict()
+            return {c: v for c, v in led.items() if c not in _LEDGER_SUMS and v}
+        return {k: v for k, v in counted_bytes(self.kind, self.model, self.opt, self.dtype).items() if v}
+
+    def sample(self, tag: str) -> None:
+        self.samples.append((tag, _status_bytes("VmRSS") - self.base, self.named()))
+
+    def __enter__(self):
+        def on_output(name):
+            def hook(module, args, output):
+                self.sample("forward " + name)
+                out = output[0] if isinstance(output, tuple) and output else output
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(lambda grad: self.sample("backward " + name))
+            return hook
+
+        self._handles = [m.register_forward_hook(on_output(n or "model")) for n, m in self.model.named_modules()]
+        self.sample("start")
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+
+    def summary(self) -> dict:
+        """The sample with the most resident memory (its named bytes and ``other``), and the most ``other``
+        at any sample (the unexplained remainder)."""
+        def other(s):
+            return s[1] - sum(s[2].values())
+
+        top = max(self.samples, key=lambda s: s[1])
+        most = max(self.samples, key=other)
+        return {"samples": len(self.samples), "peak_tag": top[0], "peak_bytes": top[1], "peak_named": top[2],
+                "peak_other_bytes": other(top), "most_other_tag": most[0], "most_other_bytes": other(most),
+                "most_other_named": most[2]}
 
 
 def _raw_train(rank: int, row: tuple, *, spec: dict, steps: int, seq: int, batch: int = 1) -> dict:
     """A raw loop (no Trainer): ``steps`` optimizer steps of ``accumulation`` micro-batches of ``batch``
     sequences; hf_zero's memory ledger (the peak of each category) or, for the others, the bytes counted
-    the same way before each step (:func:`counted_bytes`); the high-water mark reset before each forward, backward and step, so each phase's
-    peak is its own (the run's peak is the largest of them)."""
+    the same way before each step (:func:`counted_bytes`); the high-water mark reset before each forward,
+    backward and step, so each phase's peak is its own (the run's peak is the largest of them); the last
+    step sampled (:class:`_Timeline`)."""
     import contextlib
 
     dtype, kind, accumulation, no_sync = row
@@ -330,22 +392,24 @@ def _raw_train(rank: int, row: tuple, *, spec: dict, steps: int, seq: int, batch
     counted: dict = {}
     phases = {"forward": [], "backward": [], "step": []}
     buckets, losses = [], []
+    timeline = _Timeline(kind, model, opt, dtype, rss_before_model)
     rss_before = _status_bytes("VmRSS")
     peak = _reset_peak()
     for s in range(steps):
-        for m in range(accumulation):
-            x = toks[s * accumulation + m]
-            quiet = no_sync and m + 1 < accumulation
-            with module.no_sync() if quiet else contextlib.nullcontext():
-                _reset_peak()
-                loss = module(input_ids=x, labels=x).loss
-                phases["forward"].append(_reset_peak())
-                loss.backward()
-                phases["backward"].append(_reset_peak())
-            if reducer is not None:
-                buckets.append(reducer.peak_bucket_bytes)
-            losses.append(float(loss.detach()))
-            del loss
+        with timeline if s == steps - 1 else contextlib.nullcontext():
+            for m in range(accumulation):
+                x = toks[s * accumulation + m]
+                quiet = no_sync and m + 1 < accumulation
+                with module.no_sync() if quiet else contextlib.nullcontext():
+                    _reset_peak()
+                    loss = module(input_ids=x, labels=x).loss
+                    phases["forward"].append(_reset_peak())
+                    loss.backward()
+                    phases["backward"].append(_reset_peak())
+                if reducer is not None:
+                    buckets.append(reducer.peak_bucket_bytes)
+                losses.append(float(loss.detach()))
+                del loss
         clip(1.0)
         if kind not in HF_ZERO:  # what the contender holds with the grads whole: the peak of each, over steps
             for k, v in counted_bytes(kind, model, opt, dtype).items():
@@ -360,7 +424,7 @@ def _raw_train(rank: int, row: tuple, *, spec: dict, steps: int, seq: int, batch
     return {"params": params, "peak_bytes": peak, "ledger": ledger, "counted_bytes": counted, "rss_before_train_bytes": rss_before,
             "rss_before_model_bytes": rss_before_model, "phase_peaks": phases, "grad_bytes": grad_bytes,
             "largest_grad_bytes": largest_grad_bytes, "peak_bucket_bytes": max(buckets, default=None),
-            "losses": losses, "optim_args": None, "checkpoints": []}
+            "timeline": timeline.summary(), "losses": losses, "optim_args": None, "checkpoints": []}
 
 
 def _memory_rank(rank: int, world_size: int, names: list[str], cfg: dict) -> dict:
@@ -506,14 +570,13 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
                                               _steady(r["phase_peaks"]["forward"], acc))) for r in per_rank],
                 grad_bytes=per_rank[0]["grad_bytes"], largest_grad_bytes=per_rank[0]["largest_grad_bytes"],
                 counted_bytes_per_rank=[r.get("counted_bytes", {}) for r in per_rank],
-                explained_bytes_per_rank=[sum(r.get("counted_bytes", {}).values()) for r in per_rank],
+                timeline_per_rank=[r["timeline"] for r in per_rank],
+                # what the optimizer names at the most loaded sampled moment, and what it does not at any
+                explained_bytes_per_rank=[sum(r["timeline"]["peak_named"].values()) for r in per_rank],
+                unexplained_bytes_per_rank=[r["timeline"]["most_other_bytes"] for r in per_rank],
                 ledger=per_rank[0].get("ledger"),
                 peak_bucket_bytes=max((r["peak_bucket_bytes"] or 0) for r in per_rank),
                 losses=per_rank[0]["losses"])
-    for name, m in mem.items():
-        if "explained_bytes_per_rank" in m:  # what neither the ledger nor the count names: activations, allocator
-            m["unexplained_bytes_per_rank"] = [a - e for a, e in zip(m["above_baseline_per_rank"],
-                                                                     m["explained_bytes_per_rank"])]
     for name, m in mem.items():
         ddp = mem.get("raw_ddp_adamw" if RAW_ROWS.get(name, ("float32",))[0] == "float32" else "raw_ddp_adamw_bf16")
         if "unexplained_bytes_per_rank" in m and ddp is not None:
@@ -593,26 +656,33 @@ LEDGER_COLUMNS = {  # column -> the ledger (or count) categories it sums
 
 
 def _ledger_markdown(rows: dict) -> list[str]:
-    """The ledger beside each process's measured peak: rank 0's bytes per holder (hf_zero's ledger, each
-    category's peak; DDP and FSDP2 counted the same way), and what is left: activations and the allocator."""
-    lines = ["What rank 0 keeps, MiB: hf_zero rows from `optimizer.memory_ledger()` (each category's peak over the run), "
-             "the others counted the same way before each step (FSDP2's unsharded params from their sizes); "
-             "*unexplained* = the measured peak above the pre-model baseline minus that sum (activations, autograd, "
-             "the allocator), and its ratio to DDP's of the same dtype.", "",
-             "| run | " + " | ".join(LEDGER_COLUMNS) + " | counted | measured | unexplained | vs DDP's |",
-             "|---|" + "---|" * (len(LEDGER_COLUMNS) + 4)]
+    """Every byte of rank 0's most loaded sampled moment of the last step, named: hf_zero's ledger there (DDP
+    and FSDP2 counted the same way), and the rest (activations, autograd, the allocator), beside the most
+    the rest reached at any sampled moment (the unexplained remainder) and its ratio to DDP's."""
+    lines = ["Where the memory is at the peak, rank 0, MiB above the pre-model baseline: the last step sampled at the "
+             "end of every module's forward and when the grad of its output comes in the backward; at the sample "
+             "with the most resident memory, what the optimizer holds (hf_zero: `optimizer.memory_ledger()`; DDP "
+             "and FSDP2 counted from their tensors, FSDP2's unsharded params from their sizes) and *the rest*: "
+             "activations, autograd's buffers (a tied embedding's pending grad among them), the allocator and the "
+             "process, none of them the optimizer's. *Unexplained*: the most the rest reached at any sample, and "
+             "its ratio to DDP's of the same dtype. *Measured peak*: VmHWM, which also sees what lives between "
+             "two samples (an embedding's dense grad, torch's AdamW temporaries in the step).", "",
+             "| run | peak sample | " + " | ".join(LEDGER_COLUMNS) + " | named | the rest | resident there "
+             "| measured peak | unexplained | vs DDP's |",
+             "|---|---|" + "---|" * (len(LEDGER_COLUMNS) + 6)]
     for name, m in rows.items():
-        if "counted_bytes_per_rank" not in m:
+        if "timeline_per_rank" not in m:
             continue
-        c = m["counted_bytes_per_rank"][0]
+        t = m["timeline_per_rank"][0]
+        c = t["peak_named"]
         cells = []
         for cats in LEDGER_COLUMNS.values():
             vals = [c.get(k, 0) for k in cats]
             cells.append("-" if not any(vals) else " / ".join(_mib(v) for v in vals))
         vs = m.get("unexplained_vs_ddp")
-        lines.append(f"| `{name}` | " + " | ".join(cells) + f" | {_mib(m['explained_bytes_per_rank'][0])} | "
-                     f"{_mib(m['above_baseline_per_rank'][0])} | {_mib(m['unexplained_bytes_per_rank'][0])} | "
-                     f"{'-' if vs is None else f'{vs:.2f}'} |")
+        lines.append(f"| `{name}` | {t['peak_tag']} | " + " | ".join(cells) + f" | {_mib(sum(c.values()))} | "
+                     f"{_mib(t['peak_other_bytes'])} | {_mib(t['peak_bytes'])} | {_mib(m['above_baseline_per_rank'][0])} | "
+                     f"{_mib(t['most_other_bytes'])} | {'-' if vs is None else f'{vs:.2f}'} |")
     return lines + [""]
 
 

@@ -137,36 +137,89 @@ def raw_time_bytes() -> list[str]:
 
 _MEM_ROWS = {
     "raw_ddp_adamw": "DDP + AdamW, fp32",
+    "raw_ddp_view_adamw": "DDP `gradient_as_bucket_view=True` + AdamW, fp32",
+    "raw_stage1_ddp_defaults": "hf_zero stage 1, DDP's default options, fp32",
     "raw_stage1": "hf_zero stage 1, fp32",
     "raw_stage2": "hf_zero stage 2, fp32",
     "raw_fsdp2": "FSDP2 (`reshard_after_forward=False`), fp32",
+    "raw_fsdp2_full": "FSDP2 full shard, fp32",
+    "raw_ddp_adamw_bf16": "DDP + AdamW, bf16 model (bf16 moments)",
     "raw_stage1_bf16": "hf_zero stage 1, bf16 model, fp32 masters",
     "raw_stage2_bf16": "hf_zero stage 2, bf16 model, fp32 masters",
     "raw_fsdp2_bf16": "FSDP2, fp32 params, bf16 compute",
 }
 
 
+def _raw_setup(cfg: dict) -> str:
+    model = cfg.get("raw_model", cfg["memory_model"])
+    return (f"{gpt2_size(model)}, {cfg.get('raw_batch', 1)} sequences of {cfg.get('raw_seq', cfg['seq'])} tokens per "
+            f"rank, {cfg.get('raw_steps', cfg['steps'])} steps of torch's AdamW")
+
+
 def memory_raw() -> list[str]:
     runs = [load(s) for s in RESULTS["memory_raw"]]
-    cfg = runs[0]["config"]
-    base = {id(r): max(r["memory"]["raw_ddp_adamw"]["peak_bytes_per_rank"]) for r in runs}
+    rows = [r for r in _MEM_ROWS if all(r in res["memory"] for res in runs)]
     out = [
         "## Memory per rank in plain loops",
         "",
-        f"{gpt2_size(cfg['memory_model'])}, micro-batch 1, sequence {cfg['seq']}, torch's AdamW. "
-        "Peak resident memory of the most loaded rank (VmHWM, process and params included), MiB; "
-        "in brackets the ratio to DDP + AdamW in fp32 at the same world size.",
+        f"{_raw_setup(runs[0]['config'])}. Peak resident memory of the most loaded rank "
+        "(VmHWM) above what the process held before the model was built, MiB, and in brackets its "
+        "ratio to DDP + AdamW in fp32 at the same world size; then bytes per param, and the paper's "
+        "count of the model states (params, grads, optimizer state) for the design.",
         "",
-        "| run | " + " | ".join(f"N = {r['config']['world_size']}" for r in runs) + " |",
-        "|---|" + "---|" * len(runs),
+        "| run | " + " | ".join(f"N = {r['config']['world_size']}" for r in runs) + " | bytes / param at "
+        f"N = {runs[-1]['config']['world_size']} (paper's count) |",
+        "|---|" + "---|" * (len(runs) + 1),
     ]
-    for row, label in _MEM_ROWS.items():
+    for row in rows:
         cells = []
-        for r in runs:
-            peak = max(r["memory"][row]["peak_bytes_per_rank"])
-            cells.append(f"{peak / MIB:.0f} ({peak / base[id(r)]:.2f})")
-        out.append(f"| {label} | " + " | ".join(cells) + " |")
+        for res in runs:
+            m = res["memory"][row]
+            cells.append(f"{max(m['above_baseline_per_rank']) / MIB:.0f} ({m['above_baseline_vs_ddp']:.3f})")
+        last = runs[-1]["memory"][row]
+        per_param = max(last["above_baseline_per_rank"]) / last["params"]
+        out.append(f"| {_MEM_ROWS[row]} | " + " | ".join(cells) +
+                   f" | {per_param:.1f} ({sum(last['breakdown'].values()):.1f}) |")
     return out + ["", "Produced by:", ""] + provenance(*runs) + [""]
+
+
+_PEAK_GROUPS = {  # column -> the ledger (or count) categories it sums
+    "params": ("params",), "grads": ("full_grads", "ddp_buckets"), "grad shards": ("grad_shards",),
+    "reduce buckets": ("buckets_in_flight", "buckets_pooled"), "masters": ("masters",),
+    "optimizer state": ("optimizer_state",), "scratch": ("upcast_scratch", "receive_scratch", "consolidation"),
+    "unsharded params": ("unsharded_params",),
+}
+
+
+def memory_at_peak() -> list[str]:
+    res = load(RESULTS["memory_raw"][-1])
+    rows = [r for r in _MEM_ROWS if r in res["memory"]]
+    out = [
+        f"### Where it is, N = {res['config']['world_size']}",
+        "",
+        "Rank 0's last step, sampled at the end of every module's forward and when each module's output "
+        "grad comes in the backward. At the most loaded sample: what the optimizer holds, MiB "
+        "(hf_zero's `optimizer.memory_ledger()`; DDP and FSDP2 counted from their tensors), and *the "
+        "rest*: activations, autograd's buffers (GPT-2's tied embedding waits there for its second "
+        "grad through the whole backward, under every design), the allocator and the process. "
+        "*Unexplained* is the most the rest reached at any sample, and its ratio to DDP's of the same "
+        "dtype. VmHWM also sees what lives between two samples: an embedding's dense grad at the end "
+        "of the backward, torch's AdamW temporaries (for the largest param, twice) in DDP's step.",
+        "",
+        "| run | peak at | " + " | ".join(_PEAK_GROUPS) + " | the rest | sampled | VmHWM | unexplained (vs DDP) |",
+        "|---|---|" + "---|" * (len(_PEAK_GROUPS) + 4),
+    ]
+    for row in rows:
+        m = res["memory"][row]
+        t = m["timeline_per_rank"][0]
+        cells = []
+        for cats in _PEAK_GROUPS.values():
+            v = sum(t["peak_named"].get(c, 0) for c in cats)
+            cells.append(f"{v / MIB:.0f}" if v else "-")
+        out.append(f"| {_MEM_ROWS[row]} | {t['peak_tag']} | " + " | ".join(cells) + f" | {t['peak_other_bytes'] / MIB:.0f} | "
+                   f"{t['peak_bytes'] / MIB:.0f} | {m['above_baseline_per_rank'][0] / MIB:.0f} | "
+                   f"{t['most_other_bytes'] / MIB:.0f} ({m['unexplained_vs_ddp']:.2f}) |")
+    return out + [""]
 
 
 def memory_trainer() -> list[str]:
@@ -243,7 +296,8 @@ REPRODUCE = """## How to reproduce
 ```bash
 pip install -e '.[bench]'
 python -m benchmarks.e2e --trainer-only --trainer-rounds 8 --find-unused trainer --out bench_out/t   # a Trainer time table
-python -m benchmarks.memory --rows raw_ddp_adamw raw_stage1 raw_stage2 --out bench_out/m            # memory rows
+python -m benchmarks.memory --raw --world-size 4 --out bench_out/m                                   # plain-loop memory
+python -m benchmarks.memory --rows raw_ddp_adamw raw_stage2 --small --out bench_out/s                # minutes: a small GPT-2
 python -m benchmarks.e2e --smoke                                                                    # seconds: does it run
 ```
 
@@ -258,7 +312,7 @@ list every row and option.
 
 def page() -> str:
     parts = [INTRO]
-    for table in (trainer_time, memory_raw, memory_trainer, raw_time_bytes, memory_accumulation, memory_checkpoints):
+    for table in (trainer_time, memory_raw, memory_at_peak, memory_trainer, raw_time_bytes, memory_accumulation, memory_checkpoints):
         parts.append("\n".join(table()))
     parts.append(REPRODUCE)
     return "\n".join(parts)
@@ -272,7 +326,7 @@ def readme_table() -> str:
     time_cmds = {d: f"`{command(r)}`" for d, r in tt.items()}
 
     def mem_cell(row):
-        return f"{peak_mib(mem, row)} MiB"
+        return f"{max(mem['memory'][row]['above_baseline_per_rank']) / MIB:.0f} MiB"
 
     def time_cell(dtype, key):
         b = tt[dtype]["trainer"]["batches"]["4"]
@@ -286,14 +340,15 @@ def readme_table() -> str:
         "|---|---|---|---|---|",
         f"| peak memory per rank, fp32 | {mem_cell('raw_ddp_adamw')} | {mem_cell('raw_stage1')} | "
         f"{mem_cell('raw_stage2')} | {mem_cmd} |",
-        f"| peak memory per rank, bf16 model | (not in this run) | {mem_cell('raw_stage1_bf16')} | {mem_cell('raw_stage2_bf16')} | "
+        f"| peak memory per rank, bf16 model | {mem_cell('raw_ddp_adamw_bf16')} | {mem_cell('raw_stage1_bf16')} | "
+        f"{mem_cell('raw_stage2_bf16')} | "
         f"{mem_cmd} |",
         f"| Trainer iteration time vs its default, fp32 | 1x | {time_cell('float32', 'stage1')} | "
         f"{time_cell('float32', 'stage2')} | {time_cmds['float32']} |",
         f"| Trainer iteration time vs its default, bf16 | 1x | {time_cell('bfloat16', 'stage1')} | "
         f"{time_cell('bfloat16', 'stage2')} | {time_cmds['bfloat16']} |",
         "",
-        f"Memory: GPT-2 124M, 2 ranks, plain loops. Time: GPT-2 {tt['float32']['model']['params'] / 1e6:.1f}M, "
+        f"Memory: GPT-2 124M, 2 ranks, plain loops, the peak above what the process held before the model. Time: GPT-2 {tt['float32']['model']['params'] / 1e6:.1f}M, "
         "2 ranks, batch 4, median of paired rounds against Trainer's default `adamw_torch_fused` (DDP); "
         "CPU with gloo. Every figure, its spread and machine: [docs/benchmarks.md](docs/benchmarks.md).",
         "",

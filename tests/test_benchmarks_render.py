@@ -33,7 +33,7 @@ def test_a_changed_figure_changes_the_page(monkeypatch):
     def load(stem):
         res = real(stem)
         if stem == "memory_raw_n2":
-            res["memory"]["raw_stage2"]["peak_bytes_per_rank"] = [1234 * render.MIB, 1 * render.MIB]
+            res["memory"]["raw_stage2"]["above_baseline_per_rank"] = [1234 * render.MIB, 1 * render.MIB]
         return res
 
     monkeypatch.setattr(render, "load", load)
