@@ -322,12 +322,16 @@ class _Timeline:
     comes in the backward (a tensor hook: no wrapper around the module), the resident memory above the
     pre-model baseline and what the optimizer names at that moment (hf_zero's ledger now; DDP and FSDP2
     counted the same way, :func:`counted_bytes`). ``other`` = resident - named: the activations, autograd's
-    buffers (a tied embedding's pending grad among them) and the allocator, none of them the optimizer's."""
+    buffers (a tied embedding's pending grad among them) and the allocator, none of them the optimizer's.
+    Each sample also reads the high-water mark since the one before and resets it: the step's peak falls in
+    one *segment* between two samples, and the optimizer's holdings at its two ends bound what it held there
+    (:meth:`segment_peak`)."""
 
     def __init__(self, kind: str, model, opt, dtype: str, base: int):
         self.kind, self.model, self.opt, self.dtype, self.base = kind, model, opt, dtype, base
-        self.samples: list[tuple[str, int, dict]] = []
+        self.samples: list[tuple[str, int, dict, int]] = []  # (tag, resident, named, high-water mark since the last)
         self._handles = []
+        self._boundary = -1  # the last phase boundary's sample
 
     def named(self) -> dict[str, int]:
         if self.kind in HF_ZERO:
@@ -336,7 +340,14 @@ class _Timeline:
         return {k: v for k, v in counted_bytes(self.kind, self.model, self.opt, self.dtype).items() if v}
 
     def sample(self, tag: str) -> None:
-        self.samples.append((tag, _status_bytes("VmRSS") - self.base, self.named()))
+        hwm = _reset_peak() - self.base
+        self.samples.append((tag, _status_bytes("VmRSS") - self.base, self.named(), hwm))
+
+    def boundary(self, tag: str) -> int:
+        """A sample at a phase's boundary; the high-water mark (absolute) of the samples since the last one."""
+        self.sample(tag)
+        since, self._boundary = self.samples[self._boundary + 1 :], len(self.samples) - 1
+        return max(t[3] for t in since) + self.base
 
     def __enter__(self):
         def on_output(name):
@@ -365,7 +376,17 @@ class _Timeline:
         most = max(self.samples, key=other)
         return {"samples": len(self.samples), "peak_tag": top[0], "peak_bytes": top[1], "peak_named": top[2],
                 "peak_other_bytes": other(top), "most_other_tag": most[0], "most_other_bytes": other(most),
-                "most_other_named": most[2]}
+                "most_other_named": most[2], "segment": self.segment_peak()}
+
+    def segment_peak(self) -> dict:
+        """The segment holding the step's high-water mark: the samples before and after it, the mark, and what
+        the optimizer held at either end (the larger total's categories: it changes only as grads come, within
+        the segment from one to the other), so that ``hwm - named`` bounds the rest there from below."""
+        i = max(range(1, len(self.samples)), key=lambda k: self.samples[k][3])
+        before, after = self.samples[i - 1], self.samples[i]
+        named = max((before[2], after[2]), key=lambda d: sum(d.values()))
+        return {"from": before[0], "to": after[0], "hwm_bytes": after[3], "named": named,
+                "rest_bytes": after[3] - sum(named.values())}
 
 
 def _raw_train(rank: int, row: tuple, *, spec: dict, steps: int, seq: int, batch: int = 1) -> dict:
@@ -375,6 +396,8 @@ def _raw_train(rank: int, row: tuple, *, spec: dict, steps: int, seq: int, batch
     backward and step, so each phase's peak is its own (the run's peak is the largest of them); the last
     step sampled (:class:`_Timeline`)."""
     import contextlib
+
+    import transformers.models.gpt2.modeling_gpt2  # noqa: F401  (its import is the process's, not the model's)
 
     dtype, kind, accumulation, no_sync = row
     gc.collect()
@@ -396,27 +419,32 @@ def _raw_train(rank: int, row: tuple, *, spec: dict, steps: int, seq: int, batch
     rss_before = _status_bytes("VmRSS")
     peak = _reset_peak()
     for s in range(steps):
-        with timeline if s == steps - 1 else contextlib.nullcontext():
+        sampled = s == steps - 1
+        # a phase's peak: the high-water mark since the last boundary (in the sampled step, of its segments)
+        boundary = timeline.boundary if sampled else (lambda tag: _reset_peak())
+        with timeline if sampled else contextlib.nullcontext():
             for m in range(accumulation):
                 x = toks[s * accumulation + m]
                 quiet = no_sync and m + 1 < accumulation
                 with module.no_sync() if quiet else contextlib.nullcontext():
-                    _reset_peak()
+                    boundary("before the forward")
                     loss = module(input_ids=x, labels=x).loss
-                    phases["forward"].append(_reset_peak())
+                    phases["forward"].append(boundary("the loss"))
                     loss.backward()
-                    phases["backward"].append(_reset_peak())
+                    phases["backward"].append(boundary("after the backward"))
                 if reducer is not None:
                     buckets.append(reducer.peak_bucket_bytes)
                 losses.append(float(loss.detach()))
                 del loss
-        clip(1.0)
-        if kind not in HF_ZERO:  # what the contender holds with the grads whole: the peak of each, over steps
-            for k, v in counted_bytes(kind, model, opt, dtype).items():
-                counted[k] = max(counted.get(k, 0), v)
-        opt.step()
-        opt.zero_grad()
-        phases["step"].append(_reset_peak())
+            clip(1.0)
+            if sampled:
+                timeline.sample("before the step")
+            if kind not in HF_ZERO:  # what the contender holds with the grads whole: the peak of each, over steps
+                for k, v in counted_bytes(kind, model, opt, dtype).items():
+                    counted[k] = max(counted.get(k, 0), v)
+            opt.step()
+            opt.zero_grad()
+            phases["step"].append(boundary("after the step"))
     peak = max(peak, *(max(v) for v in phases.values()))
     ledger = opt.memory_ledger().as_dict() if kind in HF_ZERO else None
     if ledger is not None:  # the peaks since the optimizer was built: each category's most
@@ -571,8 +599,8 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
                 grad_bytes=per_rank[0]["grad_bytes"], largest_grad_bytes=per_rank[0]["largest_grad_bytes"],
                 counted_bytes_per_rank=[r.get("counted_bytes", {}) for r in per_rank],
                 timeline_per_rank=[r["timeline"] for r in per_rank],
-                # what the optimizer names at the most loaded sampled moment, and what it does not at any
-                explained_bytes_per_rank=[sum(r["timeline"]["peak_named"].values()) for r in per_rank],
+                # what the optimizer names where the step peaks, and the most it does not name at any sample
+                explained_bytes_per_rank=[sum(r["timeline"]["segment"]["named"].values()) for r in per_rank],
                 unexplained_bytes_per_rank=[r["timeline"]["most_other_bytes"] for r in per_rank],
                 ledger=per_rank[0].get("ledger"),
                 peak_bucket_bytes=max((r["peak_bucket_bytes"] or 0) for r in per_rank),
@@ -656,33 +684,32 @@ LEDGER_COLUMNS = {  # column -> the ledger (or count) categories it sums
 
 
 def _ledger_markdown(rows: dict) -> list[str]:
-    """Every byte of rank 0's most loaded sampled moment of the last step, named: hf_zero's ledger there (DDP
-    and FSDP2 counted the same way), and the rest (activations, autograd, the allocator), beside the most
-    the rest reached at any sampled moment (the unexplained remainder) and its ratio to DDP's."""
-    lines = ["Where the memory is at the peak, rank 0, MiB above the pre-model baseline: the last step sampled at the "
-             "end of every module's forward and when the grad of its output comes in the backward; at the sample "
-             "with the most resident memory, what the optimizer holds (hf_zero: `optimizer.memory_ledger()`; DDP "
-             "and FSDP2 counted from their tensors, FSDP2's unsharded params from their sizes) and *the rest*: "
-             "activations, autograd's buffers (a tied embedding's pending grad among them), the allocator and the "
-             "process, none of them the optimizer's. *Unexplained*: the most the rest reached at any sample, and "
-             "its ratio to DDP's of the same dtype. *Measured peak*: VmHWM, which also sees what lives between "
-             "two samples (an embedding's dense grad, torch's AdamW temporaries in the step).", "",
-             "| run | peak sample | " + " | ".join(LEDGER_COLUMNS) + " | named | the rest | resident there "
-             "| measured peak | unexplained | vs DDP's |",
-             "|---|---|" + "---|" * (len(LEDGER_COLUMNS) + 6)]
+    """Every byte of rank 0's peak in the last step named: the segment between two samples that holds the
+    high-water mark, what the optimizer held there (hf_zero's ledger; DDP and FSDP2 counted the same way)
+    and the rest (activations, autograd, the allocator); beside it the most the rest reached at any sample
+    (the unexplained remainder) and its ratio to DDP's."""
+    lines = ["Where the peak is, rank 0, MiB above the pre-model baseline: the last step sampled at the end of every "
+             "module's forward and when the grad of its output comes in the backward, each sample reading the "
+             "high-water mark since the one before and resetting it. In the segment holding the step's peak: what the "
+             "optimizer holds (hf_zero: `optimizer.memory_ledger()`; DDP and FSDP2 counted from their tensors) and "
+             "*the rest*: activations, autograd's buffers (a tied embedding's pending grad among them), the allocator "
+             "and the process. *Unexplained*: the most the rest reached at any sample, and its ratio to DDP's of the "
+             "same dtype.", "",
+             "| run | peak between | " + " | ".join(LEDGER_COLUMNS) + " | named | the rest | peak | unexplained | vs DDP's |",
+             "|---|---|" + "---|" * (len(LEDGER_COLUMNS) + 5)]
     for name, m in rows.items():
         if "timeline_per_rank" not in m:
             continue
-        t = m["timeline_per_rank"][0]
-        c = t["peak_named"]
+        seg = m["timeline_per_rank"][0]["segment"]
+        c = seg["named"]
         cells = []
         for cats in LEDGER_COLUMNS.values():
             vals = [c.get(k, 0) for k in cats]
             cells.append("-" if not any(vals) else " / ".join(_mib(v) for v in vals))
         vs = m.get("unexplained_vs_ddp")
-        lines.append(f"| `{name}` | {t['peak_tag']} | " + " | ".join(cells) + f" | {_mib(sum(c.values()))} | "
-                     f"{_mib(t['peak_other_bytes'])} | {_mib(t['peak_bytes'])} | {_mib(m['above_baseline_per_rank'][0])} | "
-                     f"{_mib(t['most_other_bytes'])} | {'-' if vs is None else f'{vs:.2f}'} |")
+        lines.append(f"| `{name}` | {seg['from']} and {seg['to']} | " + " | ".join(cells) + f" | {_mib(sum(c.values()))} | "
+                     f"{_mib(seg['rest_bytes'])} | {_mib(seg['hwm_bytes'])} | {_mib(m['unexplained_bytes_per_rank'][0])} | "
+                     f"{'-' if vs is None else f'{vs:.2f}'} |")
     return lines + [""]
 
 

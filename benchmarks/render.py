@@ -195,30 +195,30 @@ def memory_at_peak() -> list[str]:
     res = load(RESULTS["memory_raw"][-1])
     rows = [r for r in _MEM_ROWS if r in res["memory"]]
     out = [
-        f"### Where it is, N = {res['config']['world_size']}",
+        f"### Where the peak is, N = {res['config']['world_size']}",
         "",
         "Rank 0's last step, sampled at the end of every module's forward and when each module's output "
-        "grad comes in the backward. At the most loaded sample: what the optimizer holds, MiB "
-        "(hf_zero's `optimizer.memory_ledger()`; DDP and FSDP2 counted from their tensors), and *the "
-        "rest*: activations, autograd's buffers (GPT-2's tied embedding waits there for its second "
-        "grad through the whole backward, under every design), the allocator and the process. "
-        "*Unexplained* is the most the rest reached at any sample, and its ratio to DDP's of the same "
-        "dtype. VmHWM also sees what lives between two samples: an embedding's dense grad at the end "
-        "of the backward, torch's AdamW temporaries (for the largest param, twice) in DDP's step.",
+        "grad comes in the backward; each sample reads the high-water mark since the one before and "
+        "resets it, so the step's peak (VmHWM) falls between two known samples. There: what the "
+        "optimizer holds, MiB (hf_zero's `optimizer.memory_ledger()`; DDP and FSDP2 counted from their "
+        "tensors, FSDP2's gathered params from their own storages), and *the rest*: activations, "
+        "autograd's buffers (GPT-2's tied embedding waits there for its second grad through the whole "
+        "backward, under every design), the allocator and the process. *Unexplained*: the most the rest "
+        "reached at any sample, and its ratio to DDP's of the same dtype.",
         "",
-        "| run | peak at | " + " | ".join(_PEAK_GROUPS) + " | the rest | sampled | VmHWM | unexplained (vs DDP) |",
-        "|---|---|" + "---|" * (len(_PEAK_GROUPS) + 4),
+        "| run | peak between | " + " | ".join(_PEAK_GROUPS) + " | the rest | peak | unexplained (vs DDP) |",
+        "|---|---|" + "---|" * (len(_PEAK_GROUPS) + 3),
     ]
     for row in rows:
         m = res["memory"][row]
-        t = m["timeline_per_rank"][0]
+        seg = m["timeline_per_rank"][0]["segment"]
         cells = []
         for cats in _PEAK_GROUPS.values():
-            v = sum(t["peak_named"].get(c, 0) for c in cats)
+            v = sum(seg["named"].get(c, 0) for c in cats)
             cells.append(f"{v / MIB:.0f}" if v else "-")
-        out.append(f"| {_MEM_ROWS[row]} | {t['peak_tag']} | " + " | ".join(cells) + f" | {t['peak_other_bytes'] / MIB:.0f} | "
-                   f"{t['peak_bytes'] / MIB:.0f} | {m['above_baseline_per_rank'][0] / MIB:.0f} | "
-                   f"{t['most_other_bytes'] / MIB:.0f} ({m['unexplained_vs_ddp']:.2f}) |")
+        out.append(f"| {_MEM_ROWS[row]} | {seg['from']} and {seg['to']} | " + " | ".join(cells) +
+                   f" | {seg['rest_bytes'] / MIB:.0f} | {seg['hwm_bytes'] / MIB:.0f} | "
+                   f"{max(m['unexplained_bytes_per_rank']) / MIB:.0f} ({m['unexplained_vs_ddp']:.2f}) |")
     return out + [""]
 
 
