@@ -175,26 +175,40 @@ class _BucketPeak:
 class _PhasePeaks:
     """A Trainer callback: the high-water mark of each phase of every step (``/proc/self/clear_refs``
     resets it at each boundary): ``forward`` (step begin to the model's forward end), ``backward``
-    (to the optimizer step: backward, clipping, the grad norm), ``step``, ``zero_grad`` (to the step's
-    end: lr scheduler, zero_grad) and ``between`` (the step's end to the next one's begin: logging,
-    saves, the data loader; the last one to the end of ``train``). Subclasses TrainerCallback when first
-    built; :meth:`attach` adds the forward hook."""
+    (to clipping), ``clip`` (to the optimizer step: clipping, the grad norm), ``step``, ``zero_grad`` (to
+    the step's end: lr scheduler, zero_grad) and ``between`` (the step's end to the next one's begin:
+    logging, saves, the data loader; the last one to the end of ``train``); ``ledger``: an hf_zero
+    optimizer's memory ledger at the last step's end (each category's peak over the run). Subclasses
+    TrainerCallback when first built; :meth:`attach` adds the forward hook and marks clipping."""
 
     def __new__(cls):
         from transformers import TrainerCallback
 
         class PhasePeaks(TrainerCallback):
             def __init__(self):
-                self.phases = {k: [] for k in ("before", "forward", "backward", "step", "zero_grad", "between")}
+                self.phases = {k: [] for k in ("before", "forward", "backward", "clip", "step", "zero_grad", "between")}
                 self._open = "before"
+                self.ledger = None
 
             def mark(self, phase: str) -> None:
                 if self._open is not None:
                     self.phases[self._open].append(_reset_peak())
                 self._open = phase
 
-            def attach(self, model) -> None:  # the model's forward end: forward -> backward
+            def attach(self, model, accelerator) -> None:  # the model's forward end: forward -> backward
                 model.register_forward_hook(lambda *_: self.mark("backward") if self._open == "forward" else None)
+                self._accelerator = accelerator
+
+            def on_train_begin(self, *a, **k):
+                # Trainer clips through the accelerator (whose method hf_zero replaced at prepare, before this)
+                acc = self._accelerator
+                clip = acc.clip_grad_norm_
+
+                def clip_grad_norm_(*args, **kwargs):
+                    self.mark("clip")
+                    return clip(*args, **kwargs)
+
+                acc.clip_grad_norm_ = clip_grad_norm_
 
             def on_step_begin(self, *a, **k):
                 self.mark("forward")
@@ -205,7 +219,10 @@ class _PhasePeaks:
             def on_optimizer_step(self, *a, **k):
                 self.mark("zero_grad")
 
-            def on_step_end(self, *a, **k):
+            def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+                opt = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's wrapper
+                if state.global_step == state.max_steps and hasattr(opt, "memory_ledger"):
+                    self.ledger = opt.memory_ledger().as_dict()
                 self.mark("between")
 
             def close(self) -> int:
@@ -266,7 +283,7 @@ def _train(rank: int, row: tuple, *, spec: dict, steps: int, batch: int, lr: flo
         phases = None
         if eval_data is None:  # a memory row: each phase's peak (the mark is reset at each boundary)
             phases = _PhasePeaks()
-            phases.attach(model)
+            phases.attach(model, trainer.accelerator)
             trainer.add_callback(phases)
         rss_before = _status_bytes("VmRSS")
         trainer.train()
@@ -276,6 +293,8 @@ def _train(rank: int, row: tuple, *, spec: dict, steps: int, batch: int, lr: flo
                    "checkpoints": sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))}
         if phases is not None:
             out_row["phase_peaks"] = phases.phases
+            if phases.ledger is not None:
+                out_row["ledger_end"] = phases.ledger
         logged = next((e for e in trainer.state.log_history if "zero_memory_ledger" in e), None)
         if logged is not None:  # ZeroBucketCallback's ledger after the first step, and the planner's prediction
             out_row.update(ledger=logged["zero_memory_ledger"], ledger_predicted=logged["zero_memory_predicted"])
@@ -553,6 +572,8 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
                 for r in per_rank if "phase_peaks" in r]
             if "ledger" in per_rank[0]:
                 mem[name].update(ledger=per_rank[0]["ledger"], ledger_predicted=per_rank[0]["ledger_predicted"])
+            if "ledger_end" in per_rank[0]:
+                mem[name]["ledger_end"] = per_rank[0]["ledger_end"]
         if name in RAW_ROWS:
             acc = RAW_ROWS[name][2]
             steady = [{k: max(_steady(v, 1 if k == "step" else acc)) for k, v in r["phase_peaks"].items()}
@@ -680,22 +701,26 @@ def _ledger_markdown(rows: dict) -> list[str]:
     return lines + [""]
 
 
-TRAINER_PHASES = ("before", "forward", "backward", "step", "zero_grad", "between")
+TRAINER_PHASES = ("before", "forward", "backward", "clip", "step", "zero_grad", "between")
 
 
 def _trainer_phases_markdown(rows: dict) -> list[str]:
     """Rank 0's peak in each phase of a Trainer step above the pre-model RSS (the first step / the largest
-    after it), and hf_zero's ledger after the first step (each category's peak) beside it."""
+    after it), and hf_zero's ledger beside it (each category's peak over the run)."""
     from hf_zero._ledger import CATEGORIES as LEDGER_CATEGORIES
 
     rows = {n: m for n, m in rows.items() if m.get("phase_peaks_per_rank")}
     if not rows:
         return []
-    cats = [c for c in LEDGER_CATEGORIES if any(m.get("ledger", {}).get("peaks", {}).get(c) for m in rows.values())]
+
+    def peaks(m):  # the ledger read at the last step (older results: after the first step)
+        return (m.get("ledger_end") or m.get("ledger") or {}).get("peaks", {})
+
+    cats = [c for c in LEDGER_CATEGORIES if any(peaks(m).get(c) for m in rows.values())]
     lines = ["Under Trainer, rank 0, MiB above the pre-model RSS: the peak of each phase (the high-water mark reset "
-             "at each boundary; *before*: model, Trainer and setup up to the first step; *backward*: the backward, "
-             "clipping and the grad norm; *between*: logging, saves and the data loader), first step / the largest "
-             "after it; then hf_zero's ledger after the first step, each category's peak (MiB).", "",
+             "at each boundary; *before*: model, Trainer and setup up to the first step; *clip*: clipping and the "
+             "grad norm; *between*: logging, saves and the data loader), first step / the largest after it; then "
+             "hf_zero's ledger read at the last step, each category's peak over the run (MiB).", "",
              "| run | " + " | ".join(TRAINER_PHASES) + " | " + " | ".join(cats) + " |",
              "|---|" + "---|" * (len(TRAINER_PHASES) + len(cats))]
     for name, m in rows.items():
@@ -703,8 +728,7 @@ def _trainer_phases_markdown(rows: dict) -> list[str]:
         cells = ["-" if p not in ph else (_mib(ph[p]["first"] - base) if p == "before" else
                                           f"{_mib(ph[p]['first'] - base)} / {_mib(ph[p]['steady'] - base)}")
                  for p in TRAINER_PHASES]
-        peaks = m.get("ledger", {}).get("peaks", {})
-        cells += ["-" if not peaks.get(c) else _mib(peaks[c]) for c in cats]
+        cells += ["-" if not peaks(m).get(c) else _mib(peaks(m)[c]) for c in cats]
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     return lines + [""]
 
