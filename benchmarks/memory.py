@@ -51,11 +51,13 @@ SMOKE_LM = dict(vocab_size=256, n_positions=16, n_embd=32, n_layer=2, n_head=2)
 SAVES = {"save_strategy": "steps", "save_steps": 3}  # a checkpoint every 3 steps, optimizer included
 # name -> (model dtype, optim, optim_args, TrainingArguments extras)
 MEMORY_ROWS = {
+    "adamw_torch_fused": ("float32", "adamw_torch_fused", None, {}),  # Trainer's default: the Trainer rows' 1.00
     "adamw_torch": ("float32", "adamw_torch", None, {}),
     "zero_bucket": ("float32", "zero_bucket", None, {}),
     "zero_bucket_saves": ("float32", "zero_bucket", None, SAVES),
     "zero_bucket_saves_plain": ("float32", "zero_bucket", "sharded_checkpoints=false", SAVES),
     "zero_bucket_no_unused": ("float32", "zero_bucket", None, {"ddp_find_unused_parameters": False}),
+    "adamw_torch_fused_bf16": ("bfloat16", "adamw_torch_fused", None, {}),
     "adamw_torch_bf16": ("bfloat16", "adamw_torch", None, {}),
     "zero_bucket_bf16": ("bfloat16", "zero_bucket", None, {}),
     "zero_bucket_bf16_saves": ("bfloat16", "zero_bucket", None, SAVES),
@@ -170,6 +172,67 @@ class _BucketPeak:
         return BucketPeak()
 
 
+class _PhasePeaks:
+    """A Trainer callback: the high-water mark of each phase of every step (``/proc/self/clear_refs``
+    resets it at each boundary): ``forward`` (step begin to the model's forward end), ``backward``
+    (to clipping), ``clip`` (to the optimizer step: clipping, the grad norm), ``step``, ``zero_grad`` (to
+    the step's end: lr scheduler, zero_grad) and ``between`` (the step's end to the next one's begin:
+    logging, saves, the data loader; the last one to the end of ``train``); ``ledger``: an hf_zero
+    optimizer's memory ledger at the last step's end (each category's peak over the run). Subclasses
+    TrainerCallback when first built; :meth:`attach` adds the forward hook and marks clipping."""
+
+    def __new__(cls):
+        from transformers import TrainerCallback
+
+        class PhasePeaks(TrainerCallback):
+            def __init__(self):
+                self.phases = {k: [] for k in ("before", "forward", "backward", "clip", "step", "zero_grad", "between")}
+                self._open = "before"
+                self.ledger = None
+
+            def mark(self, phase: str) -> None:
+                if self._open is not None:
+                    self.phases[self._open].append(_reset_peak())
+                self._open = phase
+
+            def attach(self, model, accelerator) -> None:  # the model's forward end: forward -> backward
+                model.register_forward_hook(lambda *_: self.mark("backward") if self._open == "forward" else None)
+                self._accelerator = accelerator
+
+            def on_train_begin(self, *a, **k):
+                # Trainer clips through the accelerator (whose method hf_zero replaced at prepare, before this)
+                acc = self._accelerator
+                clip = acc.clip_grad_norm_
+
+                def clip_grad_norm_(*args, **kwargs):
+                    self.mark("clip")
+                    return clip(*args, **kwargs)
+
+                acc.clip_grad_norm_ = clip_grad_norm_
+
+            def on_step_begin(self, *a, **k):
+                self.mark("forward")
+
+            def on_pre_optimizer_step(self, *a, **k):
+                self.mark("step")
+
+            def on_optimizer_step(self, *a, **k):
+                self.mark("zero_grad")
+
+            def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+                opt = getattr(optimizer, "optimizer", optimizer)  # inside accelerate's wrapper
+                if state.global_step == state.max_steps and hasattr(opt, "memory_ledger"):
+                    self.ledger = opt.memory_ledger().as_dict()
+                self.mark("between")
+
+            def close(self) -> int:
+                """Close the open phase; the run's peak (the largest of every phase's)."""
+                self.mark(None)
+                return max(v for vs in self.phases.values() for v in vs)
+
+        return PhasePeaks()
+
+
 def _permutation_data(spec: dict, n: int, seed: int):
     g = torch.Generator().manual_seed(1234)  # the task: the same permutation for every run
     perm = torch.randperm(spec["vocab_size"], generator=g)
@@ -217,11 +280,21 @@ def _train(rank: int, row: tuple, *, spec: dict, steps: int, batch: int, lr: flo
         buckets = _BucketPeak()
         if "stage=2" in (optim_args or ""):
             trainer.add_callback(buckets)
+        phases = None
+        if eval_data is None:  # a memory row: each phase's peak (the mark is reset at each boundary)
+            phases = _PhasePeaks()
+            phases.attach(model, trainer.accelerator)
+            trainer.add_callback(phases)
         rss_before = _status_bytes("VmRSS")
         trainer.train()
-        out_row = {"params": params, "peak_bytes": _status_bytes("VmHWM"), "rss_before_train_bytes": rss_before,
+        peak = _status_bytes("VmHWM") if phases is None else phases.close()
+        out_row = {"params": params, "peak_bytes": peak, "rss_before_train_bytes": rss_before,
                    "rss_before_model_bytes": rss_before_model, "optim_args": optim_args,
                    "checkpoints": sorted(d for d in os.listdir(out) if d.startswith("checkpoint-"))}
+        if phases is not None:
+            out_row["phase_peaks"] = phases.phases
+            if phases.ledger is not None:
+                out_row["ledger_end"] = phases.ledger
         logged = next((e for e in trainer.state.log_history if "zero_memory_ledger" in e), None)
         if logged is not None:  # ZeroBucketCallback's ledger after the first step, and the planner's prediction
             out_row.update(ledger=logged["zero_memory_ledger"], ledger_predicted=logged["zero_memory_predicted"])
@@ -512,7 +585,7 @@ def breakdown(row: str, world_size: int) -> dict[str, float]:
     dtype, optim, _, _ = MEMORY_ROWS[row]
     w = 2 if dtype == "bfloat16" else 4
     parts = {"params": w, "p.grad": w}
-    if optim == "adamw_torch":
+    if optim in ("adamw_torch", "adamw_torch_fused"):
         parts["DDP buckets"] = w  # Trainer's DDP: gradient_as_bucket_view=False, a second copy
         parts["optimizer state"] = 2 * w
     else:  # p.grad are views of DDP's buckets; the reduce-scatter's scratch is one bucket at most
@@ -585,6 +658,14 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
         if name in MEMORY_ROWS and "grad_bytes" in per_rank[0]:  # Trainer, stage 2
             mem[name].update(grad_bytes=per_rank[0]["grad_bytes"],
                              peak_bucket_bytes=max(r["peak_bucket_bytes"] for r in per_rank))
+        if name in MEMORY_ROWS:  # Trainer: each phase's peak in the first step and the largest after it; the ledger
+            mem[name]["phase_peaks_per_rank"] = [
+                {k: {"first": v[0], "steady": max(_steady(v, 1))} for k, v in r["phase_peaks"].items() if v}
+                for r in per_rank if "phase_peaks" in r]
+            if "ledger" in per_rank[0]:
+                mem[name].update(ledger=per_rank[0]["ledger"], ledger_predicted=per_rank[0]["ledger_predicted"])
+            if "ledger_end" in per_rank[0]:
+                mem[name]["ledger_end"] = per_rank[0]["ledger_end"]
         if name in RAW_ROWS:
             acc = RAW_ROWS[name][2]
             steady = [{k: max(_steady(v, 1 if k == "step" else acc)) for k, v in r["phase_peaks"].items()}
@@ -611,6 +692,10 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
             m["unexplained_vs_ddp"] = max(m["unexplained_bytes_per_rank"]) / max(ddp["unexplained_bytes_per_rank"])
         if name in RAW_ROWS and "raw_ddp_adamw" in mem:  # the issue's measure: the peak above the pre-model RSS
             m["above_baseline_vs_ddp"] = max(m["above_baseline_per_rank"]) / max(mem["raw_ddp_adamw"]["above_baseline_per_rank"])
+        if name in MEMORY_ROWS and "adamw_torch_fused" in mem:  # the issue's Trainer measure: above the pre-model
+            # RSS, against Trainer's default optimizer on an fp32 model (bf16 rows too)
+            m["above_baseline_vs_adamw_torch_fused"] = (max(m["above_baseline_per_rank"])
+                                                        / max(mem["adamw_torch_fused"]["above_baseline_per_rank"]))
         base = mem.get("raw_ddp_adamw" if name in RAW_ROWS else "adamw_torch", {}).get("bytes_per_param")
         m["vs_adamw_torch"] = m["bytes_per_param"] / base if base else None
         without = mem.get(WITHOUT_SAVES.get(name))
@@ -713,6 +798,38 @@ def _ledger_markdown(rows: dict) -> list[str]:
     return lines + [""]
 
 
+TRAINER_PHASES = ("before", "forward", "backward", "clip", "step", "zero_grad", "between")
+
+
+def _trainer_phases_markdown(rows: dict) -> list[str]:
+    """Rank 0's peak in each phase of a Trainer step above the pre-model RSS (the first step / the largest
+    after it), and hf_zero's ledger beside it (each category's peak over the run)."""
+    from hf_zero._ledger import CATEGORIES as LEDGER_CATEGORIES
+
+    rows = {n: m for n, m in rows.items() if m.get("phase_peaks_per_rank")}
+    if not rows:
+        return []
+
+    def peaks(m):  # the ledger read at the last step (older results: after the first step)
+        return (m.get("ledger_end") or m.get("ledger") or {}).get("peaks", {})
+
+    cats = [c for c in LEDGER_CATEGORIES if any(peaks(m).get(c) for m in rows.values())]
+    lines = ["Under Trainer, rank 0, MiB above the pre-model RSS: the peak of each phase (the high-water mark reset "
+             "at each boundary; *before*: model, Trainer and setup up to the first step; *clip*: clipping and the "
+             "grad norm; *between*: logging, saves and the data loader), first step / the largest after it; then "
+             "hf_zero's ledger read at the last step, each category's peak over the run (MiB).", "",
+             "| run | " + " | ".join(TRAINER_PHASES) + " | " + " | ".join(cats) + " |",
+             "|---|" + "---|" * (len(TRAINER_PHASES) + len(cats))]
+    for name, m in rows.items():
+        ph, base = m["phase_peaks_per_rank"][0], m["peak_bytes_per_rank"][0] - m["above_baseline_per_rank"][0]
+        cells = ["-" if p not in ph else (_mib(ph[p]["first"] - base) if p == "before" else
+                                          f"{_mib(ph[p]['first'] - base)} / {_mib(ph[p]['steady'] - base)}")
+                 for p in TRAINER_PHASES]
+        cells += ["-" if not peaks(m).get(c) else _mib(peaks(m)[c]) for c in cats]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _checks_markdown(res: dict) -> list[str]:
     n = res["config"].get("world_size", WORLD_SIZE)
     lines: list[str] = []
@@ -761,19 +878,24 @@ def markdown(res: dict, figures: list[str]) -> str:
         lines += [f"Per-rank peak resident memory (VmHWM, `MALLOC_MMAP_THRESHOLD_=65536`), params included: "
                   f"GPT-2 {next(iter(trainer_rows.values()))['params']:,} params, batch 1, seq {cfg['seq']}, "
                   f"{cfg['steps']} Trainer steps:", "",
-                  "| run | peak MiB (rank 0 / rank 1 / ...) | bytes / param | vs `adamw_torch` | analytic steady bytes / param "
+                  "| run | peak MiB (rank 0 / rank 1 / ...) | bytes / param | vs `adamw_torch` | above the pre-model RSS MiB "
+                  "(rank 0 / 1 / ...) | vs fp32 `adamw_torch_fused`, above the pre-model RSS | analytic steady bytes / param "
                   "| peak vs the run without saves (per rank; above the pre-model baseline) |",
-                  "|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|"]
         for name, m in trainer_rows.items():
             vs = "-" if m["vs_adamw_torch"] is None else f"{m['vs_adamw_torch']:.2f}"
+            vs_fused = m.get("above_baseline_vs_adamw_torch_fused")
+            vs_fused = "-" if vs_fused is None else f"{vs_fused:.3f}"
             peaks = " / ".join(f"{b / 2**20:.0f}" for b in m["peak_bytes_per_rank"])
+            above = " / ".join(_mib(b) for b in m["above_baseline_per_rank"])
             saves = "-"
             if "vs_no_saves_per_rank" in m:
                 saves = (" / ".join(f"{x:.3f}" for x in m["vs_no_saves_per_rank"]) + " ("
                          + " / ".join(f"{x:.3f}" for x in m["above_baseline_vs_no_saves_per_rank"]) + ")")
-            lines.append(f"| `{name}` | {peaks} | {m['bytes_per_param']:.1f} | {vs} | "
+            lines.append(f"| `{name}` | {peaks} | {m['bytes_per_param']:.1f} | {vs} | {above} | {vs_fused} | "
                          f"{sum(m['breakdown'].values()):.1f} | {saves} |")
         lines.append("")
+        lines += _trainer_phases_markdown(trainer_rows)
         saved = [n for n in res["memory"] if n in WITHOUT_SAVES]
         if saved:
             lines += [f"Rows ending `_saves` save a Trainer checkpoint every {SAVES['save_steps']} steps "

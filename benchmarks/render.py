@@ -222,22 +222,45 @@ def memory_at_peak() -> list[str]:
     return out + [""]
 
 
+_TRAINER_MEM_ROWS = {  # row -> (optimizer, weights)
+    "adamw_torch_fused": ("`adamw_torch_fused` (Trainer's default)", "fp32"),
+    "zero_bucket": ("`zero_bucket`, stage 1", "fp32"),
+    "zero_bucket_stage2": ("`zero_bucket`, stage 2", "fp32"),
+    "adamw_torch_fused_bf16": ("`adamw_torch_fused` (Trainer's default)", "bf16"),
+    "zero_bucket_bf16": ("`zero_bucket`, stage 1", "bf16, fp32 masters"),
+    "zero_bucket_stage2_bf16": ("`zero_bucket`, stage 2", "bf16, fp32 masters"),
+}
+
+
+def trainer_cell(res: dict, row: str) -> str:
+    """Peak MiB of the most loaded rank; its peak above the pre-model RSS, MiB, and that as a ratio to the
+    fp32 ``adamw_torch_fused`` row of the same run; ``-`` for a row the run lacks."""
+    m = res["memory"].get(row)
+    if m is None:
+        return "-"
+    above = max(m["above_baseline_per_rank"])
+    base = res["memory"].get("adamw_torch_fused")
+    ratio = "" if base is None else f" ({above / max(base['above_baseline_per_rank']):.3f})"
+    return f"{max(m['peak_bytes_per_rank']) / MIB:.0f} / {above / MIB:.0f}{ratio}"
+
+
 def memory_trainer() -> list[str]:
     runs = [load(s) for s in RESULTS["memory_trainer"]]
     cfg = runs[0]["config"]
     out = [
         "## Memory per rank under Trainer",
         "",
-        f"{gpt2_size(cfg['memory_model'])}, batch 1, sequence {cfg['seq']}, `optim=\"zero_bucket\"`; "
-        "peak resident MiB of the most loaded rank.",
+        f"{gpt2_size(cfg['memory_model'])}, batch 1, sequence {cfg['seq']}, {cfg['steps']} steps, Trainer's defaults "
+        "otherwise. Per rank, the most loaded one: peak resident MiB (VmHWM, process and params included) / the "
+        "peak above the resident size before the model was built, MiB, and in brackets that as a ratio to Trainer's "
+        "default `adamw_torch_fused` with an fp32 model at the same N (bf16 rows too).",
         "",
-        "| weights | " + " | ".join(f"stage 1, N = {r['config']['world_size']} | stage 2, N = {r['config']['world_size']}"
-                                    for r in runs) + " |",
-        "|---|" + "---|---|" * len(runs),
+        "| optimizer | weights | " + " | ".join(f"N = {r['config']['world_size']}" for r in runs) + " |",
+        "|---|---|" + "---|" * len(runs),
     ]
-    for label, suffix in (("fp32", ""), ("bf16, fp32 masters", "_bf16")):
-        cells = [f"{peak_mib(r, 'zero_bucket' + suffix)} | {peak_mib(r, 'zero_bucket_stage2' + suffix)}" for r in runs]
-        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    for row, (label, weights) in _TRAINER_MEM_ROWS.items():
+        if any(row in r["memory"] for r in runs):
+            out.append(f"| {label} | {weights} | " + " | ".join(trainer_cell(r, row) for r in runs) + " |")
     return out + ["", "Produced by:", ""] + provenance(*runs) + [""]
 
 

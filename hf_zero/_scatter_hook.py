@@ -128,6 +128,11 @@ class BucketReducer:
         if self.last is None or structure == self.last:
             opt.plan_with_ddp_buckets(structure)
         self.last = structure
+        # gloo keeps each collective's work, and what it references, a second or two after it completes
+        # ([Note: no Python on communication threads]); let this backward's go now, as stage 2 does: measured
+        # under Trainer (GPT-2 124M, bf16, 2 ranks), 28 MiB per rank otherwise held into the step and the next
+        # forward whenever steps are faster than the sweep.
+        self.comm.release_completed_works()
 
 
 def attach(ddp: torch.nn.parallel.DistributedDataParallel, optimizer) -> BucketReducer | str:

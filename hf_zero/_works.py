@@ -78,6 +78,10 @@ class _KeptWorks:
             self._running, self._completed = running, completed  # the previous sweep's completed go
             self._swept = now
 
+    def held_completed(self) -> int:
+        """How many works held here have completed (the tensors they reference are still alive)."""
+        return len(self._completed) + sum(1 for w in self._running if w.is_completed())
+
     def let_go_completed(self) -> None:
         """Let go now of every completed work (and so of its tensors), not at a later sweep."""
         self._running = [w for w in self._running if not w.is_completed()]
@@ -99,3 +103,8 @@ def let_go_completed() -> None:
     rebuild, which must not keep the old buffers and staging alive (never called at exit,
     where a worker thread must not be left the last reference)."""
     _KEPT.let_go_completed()
+
+
+def held_completed() -> int:
+    """How many completed works are still held (and so their tensors): what :func:`let_go_completed` would free."""
+    return _KEPT.held_completed()
