@@ -15,7 +15,7 @@ def test_memory_smoke_run(tmp_path):
     from benchmarks import memory
 
     doc = tmp_path / "doc.md"
-    doc.write_text("# B\n\n" + memory.BEGIN + "\nold\n" + memory.END + "\n\ntail\n")
+    doc.write_text("# B\n\n" + memory.BEGIN + "\nthe section before the run\n" + memory.END + "\n\ntail\n")
     assert memory.main(["--smoke", "--out", str(tmp_path / "out"), "--docs", str(doc)]) == 0
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     # Trainer rows with optim_args "stage=2" are skipped, with the reason, until Trainer takes stage 2
@@ -45,6 +45,6 @@ def test_memory_smoke_run(tmp_path):
         assert all(math.isfinite(x) and 0 < x < 10 for x in r["eval_loss"]), name
         assert all(0 < x <= 1 for x in r["moved_fraction"]), name
     text = doc.read_text()
-    assert "old" not in text and text.endswith("\n\ntail\n") and "Smoke run" in text
+    assert "the section before the run" not in text and text.endswith("\n\ntail\n") and "Smoke run" in text
     assert "Issue 30's bounds" in text
     assert all(f"`{name}`: skipped. Trainer stage 2 is not available" in text for name in res["skipped"])
