@@ -283,13 +283,14 @@ def _refuse_needing_ddp(module: torch.nn.Module) -> None:
             )
 
 
-def _bucket_views(grads: list[torch.Tensor], buckets: set[int]) -> set[int]:
+def _bucket_views(grads: list[torch.Tensor], buckets: set[tuple[int, int]]) -> set[int]:
     """The storages (data pointers) among ``grads`` that are DDP's buckets. A grad accumulated under
     ``no_sync()`` is a tensor of its own until the syncing backward copies it into its bucket: the buckets
-    are the storages the comm hook saw (``buckets``) or, before it ran, those holding more than one grad."""
+    are the storages the comm hook saw (``buckets``: data pointer and size, as a storage DDP freed when it
+    rebuilt its buckets may lend its address to a grad) or, before it ran, those holding more than one grad."""
     ptrs = [g.untyped_storage().data_ptr() for g in grads]
     if buckets:
-        return set(ptrs) & buckets
+        return {p for g, p in zip(grads, ptrs) if (p, g.untyped_storage().nbytes()) in buckets}
     shared = Counter(ptrs)
     return {p for g, p in zip(grads, ptrs) if shared[p] > 1 or g.untyped_storage().nbytes() > g.nbytes}
 

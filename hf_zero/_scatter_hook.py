@@ -76,12 +76,12 @@ class BucketReducer:
         self.finish_in_hook = False
         # Whether anything skips steps on non-finite grads (GradScaler): see the module note.
         self.agree_on_finite = True
-        # bucket index -> its buffer's storage (data pointer): this backward's, and the last syncing backward's
-        self._storages_now: dict[int, int] = {}
-        self._storages: dict[int, int] = {}
+        # bucket index -> its buffer's storage (data pointer, bytes): this backward's, and the last syncing one's
+        self._storages_now: dict[int, tuple[int, int]] = {}
+        self._storages: dict[int, tuple[int, int]] = {}
 
-    def bucket_storages(self) -> set[int]:
-        """The data pointers of DDP's bucket storages in the last syncing backward (empty before the first): a ``p.grad`` in one of them is a bucket view, not a grad of its own."""
+    def bucket_storages(self) -> set[tuple[int, int]]:
+        """DDP's bucket storages (data pointer, bytes) in the last syncing backward (empty before the first): a ``p.grad`` in one of them is a bucket view, not a grad of its own."""
         return set(self._storages.values())
 
     def step_taken(self) -> None:
@@ -152,7 +152,7 @@ def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annot
     if opt is None:  # the optimizer is gone: average, as DDP would
         return _done(state.comm.all_reduce_mean_(buffer).wait())
     k = bucket.index()
-    state._storages_now[k] = buffer.untyped_storage().data_ptr()
+    state._storages_now[k] = (buffer.untyped_storage().data_ptr(), buffer.untyped_storage().nbytes())
     if k in state.reduced_since_step:
         raise RuntimeError(
             "hf_zero: a second gradient-syncing backward before optimizer.step(): with "
