@@ -1014,7 +1014,11 @@ class _BucketPool:
     GPT-2). So the buckets no wider than the cap come from a pool, all as wide as the widest
     such bucket of the plan (one size fits every bucket), and go back to it when reduced. The
     pool keeps at most ``keep`` free ones per (dtype, device): the buckets in flight plus the
-    one being filled, what a backward holds at once anyway. When the backward ends (no bucket
+    one being filled, what a backward holds at once anyway. Once a backward has taken as many
+    pooled buckets as the one before took, no more will come from the pool: the free ones are
+    let go then, and each given back after, not kept (GPT-2's tied embedding, the last grad of
+    its backward, is reduced beside its own dense grad and the LM head's waiting one, the
+    backward's peak: an idle bucket there is 25 MiB on it). When the backward ends (no bucket
     in use) the free ones are let go, and so is the reduce-scatters' receive scratch: between
     backwards, through the next forward (where the activations peak), a rank holds no reduce
     bucket, and each backward allocates at most ``keep`` of them (on CUDA from the caching
@@ -1034,6 +1038,10 @@ class _BucketPool:
         self._peak_in_use = self._peak_idle = 0  # since the last peaks(reset=True)
         self._width: dict[tuple, int] = {}  # (dtype, device) -> elements of each pooled bucket
         self._free: dict[tuple, list[torch.Tensor]] = {}
+        # Pooled takes per (dtype, device): this backward's, the last backward's, and those done taking.
+        self._taken: dict[tuple, int] = {}
+        self._expected: dict[tuple, int] = {}
+        self._done: set[tuple] = set()
 
     def plan(self, buffers, sizes, cap_bytes: int) -> None:
         """Follow a new plan: the pooled width per (dtype, device) is its widest bucket, leaving out
@@ -1046,6 +1054,7 @@ class _BucketPool:
         if width != self._width:
             self.held_bytes -= sum(t.nbytes for free in self._free.values() for t in free)
             self._free, self._width = {}, width
+            self._expected = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A 1-D bucket of ``numel`` elements (not zeroed), and its pooled base (None: not pooled)."""
@@ -1059,6 +1068,11 @@ class _BucketPool:
         else:
             base = torch.empty(width, dtype=dtype, device=device)
             self.held_bytes += base.nbytes
+        self._taken[key] = self._taken.get(key, 0) + 1
+        if self._taken[key] == self._expected.get(key):  # the last this backward will take
+            self._done.add(key)
+            self.held_bytes -= sum(t.nbytes for t in free)
+            free.clear()
         return base[:numel], base
 
     def seen(self, in_use: int, pooled_in_use: int) -> None:
@@ -1070,6 +1084,8 @@ class _BucketPool:
         if in_use == 0:
             self.held_bytes -= sum(t.nbytes for free in self._free.values() for t in free)
             self._free = {}
+            if self._taken:
+                self._expected, self._taken, self._done = self._taken, {}, set()
 
     def idle_bytes(self) -> int:
         """Pooled buckets not in use."""
@@ -1085,7 +1101,7 @@ class _BucketPool:
         """``base`` (from :meth:`take`) is free again: kept, or let go."""
         key = (base.dtype, base.device)
         free = self._free.setdefault(key, [])
-        if base.numel() == self._width.get(key) and len(free) < self.keep:
+        if base.numel() == self._width.get(key) and len(free) < self.keep and key not in self._done:
             free.append(base)
         else:
             self.held_bytes -= base.nbytes

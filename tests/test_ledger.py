@@ -218,3 +218,28 @@ def test_grads_accumulated_under_no_sync_are_counted_until_ddp_copies_them_into_
         for counted, own in seen:
             assert counted == own
         assert seen[2][1] == sum(p.numel() for p in _model(torch.float32).parameters()) * 4
+
+
+def _pool_at_the_last_grad(rank, world):
+    from hf_zero import ZeroBucketOptimizer
+
+    torch.manual_seed(0)
+    # an embedding above the cap (a bucket of its own, reduced in its own storage) is the last grad of each
+    # backward, as GPT-2's: the pooled buckets before it were all taken, and go back while it is reduced
+    model = nn.Sequential(nn.Embedding(512, 64), *[nn.Linear(64, 64) for _ in range(6)])
+    opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, stage=2)
+    opt.bind_module(model, bucket_cap_mb=0.02)
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(opt.memory_ledger().buckets_pooled))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        model(torch.randint(0, 512, (4, 8), generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return seen, opt.memory_ledger().peaks["buckets_pooled"]
+
+
+def test_the_pool_keeps_no_idle_bucket_once_a_backward_took_its_last():
+    for seen, peak in run_ranks(_pool_at_the_last_grad, 2, timeout=120):
+        assert peak > 0  # the pool is used: buckets go back to it and are taken again
+        assert seen[1:] == [0, 0]  # from the second backward on, the pool knows how many it gives
