@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ._comm import default_strategy
 from ._layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
 from ._stage2 import GRAD_ACCUM_DTYPES, accumulate_dtype, buckets_in_flight, plan_buckets, shard_dtype
 
@@ -277,7 +278,7 @@ def plan(
     scratch = min(int(bucket_cap_mb * 2**20), train_numel * itemsize) if world_size > 1 else 0
     buckets = plan_buckets(specs, int(bucket_cap_mb * 2**20)) if stage == 2 else None
     grads = train_numel * itemsize if stage == 1 else 0
-    in_flight = buckets_in_flight("reduce_scatter" if backend == "nccl" else "send_recv")
+    in_flight = buckets_in_flight(default_strategy(backend).reduce_scatter_by)
     reduce_buckets = min((in_flight + 1) * int(bucket_cap_mb * 2**20), train_numel * itemsize) if stage == 2 else 0
     report = {
         "schema": SCHEMA,
@@ -694,8 +695,8 @@ def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 
         widths = [max(s.offset + s.numel for s in b.slots) * size[b.dtype] for b in layout.buffers]
         pooled = max((w for w, b in zip(widths, layout.buffers) if w <= cap or len(b.slots) > 1), default=0)
         if in_flight is None:
-            in_flight = buckets_in_flight("reduce_scatter" if any(s.device.startswith("cuda") for s in specs)
-                                          else "send_recv")
+            backend = "nccl" if any(s.device.startswith("cuda") for s in specs) else "gloo"
+            in_flight = buckets_in_flight(default_strategy(backend).reduce_scatter_by)
         out["bucket_bounds"] = {"buckets_in_flight": sum(sorted(widths, reverse=True)[: in_flight + 1]),
                                 "buckets_pooled": (in_flight + 1) * pooled}
     return out

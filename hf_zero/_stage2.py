@@ -188,6 +188,8 @@ from ._layout import Layout, Piece, plan_layout
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
 MAX_IN_FLIGHT = 2  # buckets being reduce-scattered at once (see the note)
+GRAD_ACCUM_DTYPES = ("auto", "fp32", "param")  # [Note: what stage 2 accumulates in]
+AUTO_GRAD_ACCUM_DTYPE = "param"
 
 
 def buckets_in_flight(reduce_scatter_by: str) -> int:
@@ -195,8 +197,6 @@ def buckets_in_flight(reduce_scatter_by: str) -> int:
     ``reduce_scatter_by``: one where the reduce-scatters take turns with the receive scratch (point to point,
     all-to-all: [Note: reduce-scatter scratch] in _comm.py), :data:`MAX_IN_FLIGHT` with NCCL's own."""
     return MAX_IN_FLIGHT if reduce_scatter_by == "reduce_scatter" else 1
-GRAD_ACCUM_DTYPES = ("auto", "fp32", "param")  # [Note: what stage 2 accumulates in]
-AUTO_GRAD_ACCUM_DTYPE = "param"
 
 
 def accumulate_dtype(choice: str, stage: int) -> torch.dtype | None:
@@ -1038,10 +1038,9 @@ class _BucketPool:
         self._peak_in_use = self._peak_idle = 0  # since the last peaks(reset=True)
         self._width: dict[tuple, int] = {}  # (dtype, device) -> elements of each pooled bucket
         self._free: dict[tuple, list[torch.Tensor]] = {}
-        # Pooled takes per (dtype, device): this backward's, the last backward's, and those done taking.
+        # Pooled takes per (dtype, device): this backward's and the last backward's.
         self._taken: dict[tuple, int] = {}
         self._expected: dict[tuple, int] = {}
-        self._done: set[tuple] = set()
 
     def plan(self, buffers, sizes, cap_bytes: int) -> None:
         """Follow a new plan: the pooled width per (dtype, device) is its widest bucket, leaving out
@@ -1070,10 +1069,13 @@ class _BucketPool:
             self.held_bytes += base.nbytes
         self._taken[key] = self._taken.get(key, 0) + 1
         if self._taken[key] == self._expected.get(key):  # the last this backward will take
-            self._done.add(key)
             self.held_bytes -= sum(t.nbytes for t in free)
             free.clear()
         return base[:numel], base
+
+    def _done_taking(self, key: tuple) -> bool:
+        """Whether this backward took as many pooled buckets of ``key`` as the last one did."""
+        return key in self._expected and self._taken.get(key, 0) >= self._expected[key]
 
     def seen(self, in_use: int, pooled_in_use: int) -> None:
         """The reducer's buckets in use changed: ``in_use`` bytes now, ``pooled_in_use`` of them the pool's;
@@ -1085,7 +1087,7 @@ class _BucketPool:
             self.held_bytes -= sum(t.nbytes for free in self._free.values() for t in free)
             self._free = {}
             if self._taken:
-                self._expected, self._taken, self._done = self._taken, {}, set()
+                self._expected, self._taken = self._taken, {}
 
     def idle_bytes(self) -> int:
         """Pooled buckets not in use."""
@@ -1101,7 +1103,7 @@ class _BucketPool:
         """``base`` (from :meth:`take`) is free again: kept, or let go."""
         key = (base.dtype, base.device)
         free = self._free.setdefault(key, [])
-        if base.numel() == self._width.get(key) and len(free) < self.keep and key not in self._done:
+        if base.numel() == self._width.get(key) and len(free) < self.keep and not self._done_taking(key):
             free.append(base)
         else:
             self.held_bytes -= base.nbytes
