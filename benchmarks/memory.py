@@ -387,9 +387,6 @@ def counted_bytes(kind: str, model, opt, dtype: str) -> dict[str, int]:
     return out
 
 
-_LEDGER_SUMS = ("peaks", "total", "model_states", "peak_total")  # MemoryLedger.as_dict()'s keys that are no holder
-
-
 class _Timeline:
     """Samples one step: at the end of every module's forward and when the grad of every module's output
     comes in the backward (a tensor hook: no wrapper around the module), the resident memory above the
@@ -408,8 +405,10 @@ class _Timeline:
 
     def named(self) -> dict[str, int]:
         if self.kind in HF_ZERO:
-            led = self.opt.memory_ledger().as_dict()
-            return {c: v for c, v in led.items() if c not in _LEDGER_SUMS and v}
+            from hf_zero._ledger import CATEGORIES
+
+            led = self.opt.memory_ledger()
+            return {c: getattr(led, c) for c in CATEGORIES if getattr(led, c)}
         return {k: v for k, v in counted_bytes(self.kind, self.model, self.opt, self.dtype).items() if v}
 
     def sample(self, tag: str) -> None:
@@ -440,16 +439,12 @@ class _Timeline:
             h.remove()
 
     def summary(self) -> dict:
-        """The sample with the most resident memory (its named bytes and ``other``), and the most ``other``
-        at any sample (the unexplained remainder)."""
-        def other(s):
-            return s[1] - sum(s[2].values())
-
-        top = max(self.samples, key=lambda s: s[1])
-        most = max(self.samples, key=other)
-        return {"samples": len(self.samples), "peak_tag": top[0], "peak_bytes": top[1], "peak_named": top[2],
-                "peak_other_bytes": other(top), "most_other_tag": most[0], "most_other_bytes": other(most),
-                "most_other_named": most[2], "segment": self.segment_peak()}
+        """The segment holding the step's peak (:meth:`segment_peak`), and the most ``other`` at any sample
+        (the unexplained remainder)."""
+        most = max(self.samples, key=lambda s: s[1] - sum(s[2].values()))
+        return {"samples": len(self.samples), "most_other_tag": most[0],
+                "most_other_bytes": most[1] - sum(most[2].values()), "most_other_named": most[2],
+                "segment": self.segment_peak()}
 
     def segment_peak(self) -> dict:
         """The segment holding the step's high-water mark: the samples before and after it, the mark, and what
@@ -645,6 +640,12 @@ def stage2_checks(mem: dict, world_size: int) -> dict:
     return out
 
 
+def _ratio(a: int, b: int) -> float | None:
+    """``a / b``; None where the run rose nothing above its baseline (a smoke run's tiny model can peak
+    before it is built)."""
+    return a / b if b > 0 else None
+
+
 # -- results ------------------------------------------------------------------------------------------------
 def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
     mem = {}
@@ -680,8 +681,7 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
                 grad_bytes=per_rank[0]["grad_bytes"], largest_grad_bytes=per_rank[0]["largest_grad_bytes"],
                 counted_bytes_per_rank=[r.get("counted_bytes", {}) for r in per_rank],
                 timeline_per_rank=[r["timeline"] for r in per_rank],
-                # what the optimizer names where the step peaks, and the most it does not name at any sample
-                explained_bytes_per_rank=[sum(r["timeline"]["segment"]["named"].values()) for r in per_rank],
+                # the most the optimizer does not name at any sample
                 unexplained_bytes_per_rank=[r["timeline"]["most_other_bytes"] for r in per_rank],
                 ledger=per_rank[0].get("ledger"),
                 peak_bucket_bytes=max((r["peak_bucket_bytes"] or 0) for r in per_rank),
@@ -689,20 +689,21 @@ def analyse(memory: dict, precision: dict, cfg: dict, env: dict) -> dict:
     for name, m in mem.items():
         ddp = mem.get("raw_ddp_adamw" if RAW_ROWS.get(name, ("float32",))[0] == "float32" else "raw_ddp_adamw_bf16")
         if "unexplained_bytes_per_rank" in m and ddp is not None:
-            m["unexplained_vs_ddp"] = max(m["unexplained_bytes_per_rank"]) / max(ddp["unexplained_bytes_per_rank"])
+            m["unexplained_vs_ddp"] = _ratio(max(m["unexplained_bytes_per_rank"]), max(ddp["unexplained_bytes_per_rank"]))
         if name in RAW_ROWS and "raw_ddp_adamw" in mem:  # the issue's measure: the peak above the pre-model RSS
-            m["above_baseline_vs_ddp"] = max(m["above_baseline_per_rank"]) / max(mem["raw_ddp_adamw"]["above_baseline_per_rank"])
+            m["above_baseline_vs_ddp"] = _ratio(max(m["above_baseline_per_rank"]),
+                                                max(mem["raw_ddp_adamw"]["above_baseline_per_rank"]))
         if name in MEMORY_ROWS and "adamw_torch_fused" in mem:  # the issue's Trainer measure: above the pre-model
             # RSS, against Trainer's default optimizer on an fp32 model (bf16 rows too)
-            m["above_baseline_vs_adamw_torch_fused"] = (max(m["above_baseline_per_rank"])
-                                                        / max(mem["adamw_torch_fused"]["above_baseline_per_rank"]))
+            m["above_baseline_vs_adamw_torch_fused"] = _ratio(max(m["above_baseline_per_rank"]),
+                                                              max(mem["adamw_torch_fused"]["above_baseline_per_rank"]))
         base = mem.get("raw_ddp_adamw" if name in RAW_ROWS else "adamw_torch", {}).get("bytes_per_param")
         m["vs_adamw_torch"] = m["bytes_per_param"] / base if base else None
         without = mem.get(WITHOUT_SAVES.get(name))
         if without is not None:  # per rank: peak / the same run's peak without saves (absolute; above the baseline)
             m["vs_no_saves_per_rank"] = [a / b for a, b in zip(m["peak_bytes_per_rank"], without["peak_bytes_per_rank"])]
             m["above_baseline_vs_no_saves_per_rank"] = [
-                a / b for a, b in zip(m["above_baseline_per_rank"], without["above_baseline_per_rank"])]
+                _ratio(a, b) for a, b in zip(m["above_baseline_per_rank"], without["above_baseline_per_rank"])]
     prec = {}
     for key, per_rank in precision.items():
         name, seed = key.split("/")
@@ -891,7 +892,8 @@ def markdown(res: dict, figures: list[str]) -> str:
             saves = "-"
             if "vs_no_saves_per_rank" in m:
                 saves = (" / ".join(f"{x:.3f}" for x in m["vs_no_saves_per_rank"]) + " ("
-                         + " / ".join(f"{x:.3f}" for x in m["above_baseline_vs_no_saves_per_rank"]) + ")")
+                         + " / ".join("-" if x is None else f"{x:.3f}" for x in m["above_baseline_vs_no_saves_per_rank"])
+                         + ")")
             lines.append(f"| `{name}` | {peaks} | {m['bytes_per_param']:.1f} | {vs} | {above} | {vs_fused} | "
                          f"{sum(m['breakdown'].values()):.1f} | {saves} |")
         lines.append("")
