@@ -50,8 +50,7 @@ def prepare_grad_scaler(scaler):
     Other optimizers (stage 1 included) are unscaled by torch as before. Without it, torch's
     GradScaler unscales the ``p.grad`` stand-ins of stage 2 in place, which raises
     (``RuntimeError: unsupported operation: more than one element of the written-to tensor
-    ...``).
-    See [Note: GradScaler over sharded grads]."""
+    ...``)."""  # how: [Note: GradScaler over sharded grads]
     _compat.route_unscale(scaler, _unscale_sharded)
     return scaler
 
