@@ -63,6 +63,8 @@ def test_tested_range_is_setup_cfgs_lower_bound_and_cis_pin(library):
     pins = [Requirement(line) for line in (ROOT / ".ci" / "constraints.txt").read_text().splitlines()
             if line.strip() and not line.startswith("#")]
     assert [str(r.specifier) for r in pins if r.name == library] == [f"=={high}"]
+    if library == "transformers":  # the range the troubleshooting page quotes
+        assert f"tested with transformers {low} to {high}" in (ROOT / "docs" / "troubleshooting.md").read_text()
     installed = __import__(library).__version__
     assert Version(low) <= Version(installed) <= Version(high), (
         f"{library} {installed} is outside the range CI tests ({low} to {high}): run the suite on it, then move "
@@ -74,6 +76,7 @@ def test_a_newer_release_warns_once_naming_the_tested_range(monkeypatch, tmp_pat
 
     monkeypatch.setattr(_compat, "_WARNED", set())
     monkeypatch.setattr(transformers, "__version__", "9.1.0")
+    monkeypatch.setattr(accelerate, "__version__", _compat.TESTED["accelerate"][1])  # whatever is installed
     low, high = _compat.TESTED["transformers"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

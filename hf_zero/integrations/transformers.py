@@ -462,6 +462,7 @@ class ZeroBucketCallback(TrainerCallback):
                 _SHARDED_SAVES[opt] = self.sharded_checkpoints
             return
         _DRIVER[opt] = self
+        _compat.check_trainer_log()  # on_log relies on it: refused before the first step, not at the first log
         _SHARDED_SAVES[opt] = _chosen_saves(args, [self, *(_callbacks_of(opt) or [])])
         _check_saving_ranks(opt, args)
         # DDP was built just before this event. Trainer sets accelerate's shared
