@@ -3,8 +3,8 @@
 
     torchrun --standalone --nproc-per-node gpu -m benchmarks.gpu_bench --model gpt2 --dtype bfloat16
 
-writes ``bench_out/gpu/gpu_<model>_<dtype>_n<GPUs>.json``; copied into benchmarks/results/,
-``python -m benchmarks.render`` adds it to docs/benchmarks.md.
+writes ``benchmarks/results/gpu_<model>_<dtype>_n<GPUs>.json`` (``--out``), which
+``python -m benchmarks.render`` adds to docs/benchmarks.md.
 
 =====================  ==============================================================================
 ``ddp_adamw_fused``    DDP (``gradient_as_bucket_view=True``) + ``torch.optim.AdamW(fused=True)``: the
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS),
                         help=f"which to run ({BASELINE}, the baseline, always)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run on gloo")
-    parser.add_argument("--out", default="bench_out/gpu", help="output folder (default bench_out/gpu)")
+    parser.add_argument("--out", default=None, help="output folder (default benchmarks/results; a dry run: bench_out/gpu)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if min(args.warmup, args.steps - 1, args.rounds - 1, args.batch - 1) < 0:
@@ -277,7 +277,7 @@ def main(argv=None) -> int:
                 cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
                 deepspeed=None if "deepspeed_zero2" in skipped else version("deepspeed"))
             res = analyse(ranks, cfg, env)
-            out = Path(args.out)
+            out = Path(args.out or (_common.ROOT / "benchmarks" / "results" if cuda else "bench_out/gpu"))
             out.mkdir(parents=True, exist_ok=True)
             path = out / result_name(cfg)
             path.write_text(json.dumps(res, indent=2))

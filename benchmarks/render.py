@@ -364,10 +364,9 @@ fused AdamW (Trainer's default `adamw_torch_fused`), hf_zero stage 1 and stage 2
 ZeRO-2 when `deepspeed` imports (left out, with the reason, otherwise). It reports the time per
 iteration (CUDA events, the slowest rank, paired rounds) and `torch.cuda.max_memory_allocated()`
 per rank, on a GPT-2 built from a config (`--model gpt2` to `gpt2-xl`, `--dtype float32` or
-`bfloat16`), and writes `bench_out/gpu/gpu_<model>_<dtype>_n<GPUs>.json`. Copied into
-`benchmarks/results/`, `python -m benchmarks.render` puts it in the table above.
-`python -m benchmarks.gpu_bench --help` lists the options; `--device cpu` makes either command a
-dry run on gloo.
+`bfloat16`), and writes `benchmarks/results/gpu_<model>_<dtype>_n<GPUs>.json`, which
+`python -m benchmarks.render` then puts in a table here. `python -m benchmarks.gpu_bench --help`
+lists the options; `--device cpu` makes either command a dry run on gloo.
 """
 
 
