@@ -98,7 +98,8 @@ def _deepspeed(template, device, cfg):
 
 
 def build(name: str, template, device, cfg):
-    """A fresh contender on ``device``: (what holds its memory, one iteration on a batch, wait for what is in flight)."""
+    """A fresh contender on ``device``: (what holds its memory, one iteration on a batch, a wait for
+    what is in flight)."""
     import torch
 
     if CONTENDERS[name] is None:
@@ -221,7 +222,9 @@ def result_name(cfg: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m benchmarks.gpu_bench",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=list(SIZES), default="gpt2", help="GPT-2 size (default gpt2: 124M)")
+    parser.add_argument("--model", choices=list(SIZES), default="gpt2",
+                        help="GPT-2 size (default gpt2: 124M); each process holds two host copies while building "
+                             "one (gpt2-xl in float32 on 8 GPUs: about 100 GB of host memory)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="the weights' dtype")
     parser.add_argument("--batch", type=int, default=8, help="sequences per GPU (default 8)")
     parser.add_argument("--seq", type=int, default=512, help="tokens per sequence (default 512)")
@@ -232,7 +235,8 @@ def main(argv=None) -> int:
     parser.add_argument("--contenders", nargs="+", choices=list(CONTENDERS), default=list(CONTENDERS),
                         help=f"which to run ({BASELINE}, the baseline, always)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a dry run on gloo")
-    parser.add_argument("--out", default=None, help="output folder (default benchmarks/results; a dry run: bench_out/gpu)")
+    parser.add_argument("--out", default=None,
+                        help="output folder (default benchmarks/results; a dry run: bench_out/gpu)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if min(args.warmup, args.steps - 1, args.rounds - 1, args.batch - 1) < 0:

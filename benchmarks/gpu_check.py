@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
+import inspect
 import json
 import os
 import socket
@@ -343,10 +344,11 @@ def sync_verdict(name, ranks, watched: bool) -> dict:
 
 
 def _where(tb: str) -> str:
-    """The innermost hf_zero (else last) frame of a traceback and its last line."""
+    """The innermost frame of hf_zero's (else the last frame) of a traceback, and its last line."""
     lines = tb.strip().splitlines()
     frames = [line.strip() for line in lines if line.strip().startswith("File ")]
-    ours = [f for f in frames if "hf_zero" in f and "benchmarks" not in f]
+    package = f'File "{Path(inspect.getfile(ZeroBucketOptimizer)).parent}{os.sep}'
+    ours = [f for f in frames if f.startswith(package)]
     return f"at {(ours or frames or ['?'])[-1]}: {lines[-1] if lines else ''}"
 
 

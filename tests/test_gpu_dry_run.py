@@ -83,13 +83,39 @@ def test_gpu_bench_dry_run_under_torchrun(tmp_path, monkeypatch):
     for name, row in res["contenders"].items():
         assert f"| {render._GPU_NAMES[name]} | {row['iteration_ms_median']:.1f} |" in table
     assert "| DeepSpeed ZeRO-2 | skipped: CUDA only |" in table
-    results = tmp_path / "results"
-    results.mkdir()
-    (results / path.name).write_text(path.read_text())
-    monkeypatch.setattr(render, "RESULTS_DIR", results)
+    real_load = render.load
+    monkeypatch.setattr(render, "load",
+                        lambda stem: json.loads(path.read_text()) if stem == path.stem else real_load(stem))
     monkeypatch.setitem(render.RESULTS, "gpu", (path.stem,))
     with pytest.raises(ValueError, match="CPU dry run"):
         render.gpu()
+    # the same JSON as a GPU run would write it (device named, CUDA memory per rank): a table, and the
+    # page's opening no longer says that nothing comes from a GPU
+    res["config"]["dry_run"] = False
+    res["env"].update(gpu="a GPU", gpus=2, cuda="12.8", nccl="2.27.3")
+    for row in res["contenders"].values():
+        row.update(peak_bytes_per_rank=[3 * render.MIB, 5 * render.MIB],
+                   above_start_bytes_per_rank=[2 * render.MIB, 4 * render.MIB], memory_vs_baseline=1.0)
+    path.write_text(json.dumps(res))
+    page = render.page()
+    assert "| hf_zero stage 2 | " in page and "| 5 (4) | 1.000 |" in page and "2 x a GPU, CUDA 12.8" in page
+    assert "none has been measured on a GPU yet" not in page and "GPU runs (NCCL) are in" in page
+
+
+def test_gpu_check_names_where_a_steady_step_synced():
+    """A steady step that raised torch's sync-debug error fails the case as a host sync, naming the
+    innermost hf_zero frame; any other error fails it as an error."""
+    package = os.path.dirname(gpu_check.inspect.getfile(gpu_check.ZeroBucketOptimizer))
+    tb = (f'Traceback (most recent call last):\n  File "{ROOT}/benchmarks/gpu_check.py", line 9, in train\n'
+          f'  File "{package}/_comm.py", line 415, in agree\n    return int(t[0])\n'
+          f'  File "{ROOT}/.venv/lib/torch/_tensor.py", line 1, in __int__\n'
+          "RuntimeError: called a synchronizing CUDA operation")
+    ranks = [{"c": {"ok": False, "host_sync": gpu_check.SYNC_ERROR in tb, "error": tb}}, {"c": {"ok": True}}]
+    verdict = gpu_check.sync_verdict("c", ranks, watched=True)
+    assert verdict["passed"] is False and verdict["host_sync"] is True
+    assert gpu_check._where(tb) == (f'at File "{package}/_comm.py", line 415, in agree: '
+                                    "RuntimeError: called a synchronizing CUDA operation")
+    assert gpu_check.sync_verdict("c", [{"c": {"ok": True}}] * 2, watched=True) == {"passed": True, "sync_debug": True}
 
 
 def test_gpu_section_says_the_figures_are_cpu_until_a_gpu_run_is_published(monkeypatch):
