@@ -232,3 +232,45 @@ def test_a_users_post_accumulate_grad_hook_sees_this_ranks_grad_as_under_ddp():
         assert len(seen) == len(want_seen) == 2 * STEPS and all(g is not None for g in seen)
         _close(seen, want_seen, f"rank {rank}, seen")
         _close(have, want, f"rank {rank}")
+
+
+def _writes(rank, world_size):
+    """Each write into a stand-in, its refusal; zero_() and module.zero_grad(set_to_none=False) still zero."""
+    model = _mlp(12)
+    from hf_zero import ZeroBucketOptimizer
+
+    opt = ZeroBucketOptimizer(list(model.parameters()), torch.optim.AdamW, stage=2, **LR)
+    opt.bind_module(model)
+    model(_data(0, rank, 4, 5)).square().mean().backward()
+    g = model[0].weight.grad
+    writes = {
+        "index": lambda: g.__setitem__(g.isnan(), 0),
+        "masked_fill_": lambda: g.masked_fill_(g.isnan(), 0),
+        "through .data": lambda: g.data.mul_(2),
+        "through a view": lambda: g.view(-1)[:3].add_(1),
+        "out=": lambda: torch.add(g, 1, out=g),
+        "torch clip": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
+        "nan_to_num_": lambda: g.nan_to_num_(0.0),
+    }
+    said = {}
+    for name, write in writes.items():
+        try:
+            write()
+            said[name] = "no error"
+        except RuntimeError as e:
+            said[name] = str(e)
+    model[2].weight.grad.zero_()
+    model[4].zero_grad(set_to_none=False)
+    full = [opt.full_grad(p) for p in model.parameters()]
+    return said, full
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_every_write_into_a_stand_in_but_zeroing_is_refused_naming_the_param_and_the_fix():
+    said, full = run_ranks(_writes, 1, timeout=40)[0]
+    for name, message in said.items():
+        assert message.startswith("hf_zero stage 2: ") and "writes into the grad of #0 (group 0, shape (6, 5))" in message \
+            and "optimizer.local_grad(p)" in message, (name, message)
+    assert all(torch.isfinite(g).all() for g in full[:2])  # the refused writes changed nothing
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in full[2:3] + full[4:])  # zeroed

@@ -234,17 +234,18 @@ class _BeforeAccumulating(Hook):
     other one of the param, registered before the bind or since: those see this rank's grad in
     ``p.grad``, as under DDP (torch runs them in their dict's insertion order: ours is put back last)."""
 
-    __slots__ = ("_reducer", "_taking")
+    __slots__ = ("_reducer", "_hooks", "_last")
 
     def __init__(self, reducer: Reducer, taking):
-        self._reducer, self._taking = weakref.ref(reducer), taking
+        self._reducer = weakref.ref(reducer)
+        self._hooks, self._last = taking.hooks_dict_ref(), taking.id  # the param's own dict: no cycle
 
     def __call__(self, grad: torch.Tensor) -> None:
         reducer = self._reducer()
         if reducer is not None:
             reducer.settle(clear=True)
-            hooks, last = self._taking.hooks_dict_ref(), self._taking.id
-            if hooks is not None and last in hooks and next(reversed(hooks)) != last:
+            hooks, last = self._hooks, self._last
+            if len(hooks) > 1 and next(reversed(hooks)) != last and last in hooks:
                 hooks[last] = hooks.pop(last)
 
 
