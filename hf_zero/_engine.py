@@ -65,11 +65,11 @@ def will_accumulate(node) -> bool:
         raise
 
 
-def accumulates(nodes) -> bool:
+def accumulates(nodes: Callable[[], Any]) -> bool:
     """Whether the running backward pass writes
     ``.grad``: a backward over the whole graph (``loss.backward()``: the engine executes every node
     it reaches), or one restricted to ``inputs=`` that will execute one of the ``AccumulateGrad``
-    ``nodes``. Not ``torch.autograd.grad`` (its leaves' grads are captured, never accumulated).
+    nodes ``nodes()`` returns (asked only then). Not ``torch.autograd.grad`` (its leaves' grads are captured, never accumulated).
     Only inside a backward pass. See [Note: arming a backward] in _stage2/reducer.py."""
     whole = getattr(torch.autograd, "_is_checkpoint_valid", None)
     if whole is None:
@@ -77,7 +77,7 @@ def accumulates(nodes) -> bool:
             f"hf_zero: torch {torch.__version__} has no torch.autograd._is_checkpoint_valid, which stage 2 relies on; "
             "please report this with your versions of hf_zero and torch"
         )
-    return bool(whole()) or any(will_accumulate(node) for node in nodes)
+    return bool(whole()) or any(will_accumulate(node) for node in nodes())
 
 
 def in_functorch() -> bool:

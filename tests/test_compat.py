@@ -286,7 +286,7 @@ def _autograd_grad_is_told_apart():
     node = grad_accumulator(w)
     out = (w * 2).sum()
     seen = []
-    out.grad_fn.register_prehook(lambda grads: seen.append(accumulates([node])))
+    out.grad_fn.register_prehook(lambda grads: seen.append(accumulates(lambda: [node])))
     torch.autograd.grad(out, w, retain_graph=True)
     out.backward(inputs=[w], retain_graph=True)
     out.backward()

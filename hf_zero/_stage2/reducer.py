@@ -285,10 +285,12 @@ class Reducer:
 
     def arm(self, root) -> None:
         """A backward through the bound module's outputs starts at autograd node ``root``."""
-        if not self._armed and not self._suspended:
-            self._current_plan()
-            if accumulates(self._accumulators.values()):  # not torch.autograd.grad: [Note: arming a backward]
-                self._begin(root)
+        if not self._armed and not self._suspended and accumulates(self._param_nodes):  # not torch.autograd.grad
+            self._begin(root)
+
+    def _param_nodes(self):
+        self._current_plan()
+        return self._accumulators.values()
 
     def on_grad(self, i: int, p: torch.Tensor) -> None:
         if self._suspended or p.grad is None:
