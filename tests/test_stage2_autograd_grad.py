@@ -234,3 +234,41 @@ def test_at_one_rank_autograd_grad_of_the_params_and_torch_func_work(name):
 
 def _reference_one_rank(rank, world_size, name):
     return SCENARIOS[name](rank, "manual")
+
+
+def _plan_fails_once(rank, world_size, stage2: bool):
+    """The first bucket plan fails midway (its AccumulateGrad nodes cannot be taken): that backward raises;
+    zero_grad() then the next backwards train as torch AdamW does on the same data."""
+    import hf_zero._stage2.reducer as reducer_module
+
+    model = _mlp(7)
+    m, opt = _wrap(model, "stage2" if stage2 else "manual")
+    failed = None
+    if stage2:
+        taken = reducer_module.grad_accumulator
+
+        def broken(p):
+            raise RuntimeError("no AccumulateGrad node here")
+
+        reducer_module.grad_accumulator = broken
+        try:
+            m(_data(0, rank, 4, 5)).square().mean().backward()
+        except RuntimeError as e:
+            failed = str(e)
+        finally:
+            reducer_module.grad_accumulator = taken
+        opt.zero_grad()
+    for step in range(STEPS):
+        m(_data(step, rank, 4, 5)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return failed, _state(model)
+
+
+@pytest.mark.timeout(60)
+def test_a_bucket_plan_that_fails_midway_leaves_the_reducer_as_it_was():
+    failed, have = run_ranks(_plan_fails_once, 1, True, timeout=40)[0]
+    _, want = run_ranks(_plan_fails_once, 1, False, timeout=40)[0]
+    assert failed == "no AccumulateGrad node here"
+    for i, (a, b) in enumerate(zip(want, have, strict=True)):
+        torch.testing.assert_close(b, a, rtol=1e-13, atol=1e-15, msg=lambda m: f"tensor {i}: {m}")
