@@ -1,9 +1,10 @@
-"""Gradient clipping over sharded grads: each rank counts its own elements once.
+"""Gradient clipping and reading over sharded grads: each rank counts its own elements once.
 
 After a reduce-scatter a param's grad holds the average only in this rank's ranges; after
 an all-reduce it is whole everywhere. Either way each rank sums the elements of its own
 pieces and one scalar all-reduce makes the total, and scaling touches only the elements
-that hold the average.
+that hold the average. A param's whole averaged grad is its owners' ranges put together
+(:func:`full_grad`); :func:`local_grad` is this rank's range, where the step reads it.
 """
 
 from __future__ import annotations
@@ -117,3 +118,43 @@ def _all_reduced(comm: Comm, total: torch.Tensor, op: str, grad_of) -> torch.Ten
     if grad_of is None:
         return comm.all_reduce_(total, op=op, what="the gradient norm")
     return grad_of.all_reduce_along(total, op=op, what="the gradient norm")
+
+
+def local_grad(table: ParamTable, chosen: set[int], pieces: list[Piece], grad_of=None) -> torch.Tensor | None:
+    """The ``chosen`` param's averaged grad in this rank's range (``pieces``: one range per param, maybe in
+    consecutive chunks): a 1-D view of where the step reads it (stage 2's shard, zeros where no rank
+    had a grad; else ``p.grad``), or None (frozen, no element here, or no grad)."""
+    if not chosen:
+        return None
+    (i,) = chosen
+    mine = sorted((pc for pc in pieces if pc.index == i), key=lambda pc: pc.start)
+    if not mine:
+        return None
+    whole = Piece(i, mine[0].buffer, mine[0].start, mine[-1].stop, mine[0].offset)
+    if grad_of is not None:
+        return grad_of.held(whole)
+    g = table.params[i].grad
+    return None if g is None else g.view(-1)[whole.start : whole.stop]
+
+
+def full_grad(comm: Comm, table: ParamTable, chosen: set[int], pieces: list[Piece], partial: set[int],
+              grad_of=None) -> torch.Tensor | None:
+    """The ``chosen`` param's averaged grad, whole, in its dtype, on every rank (None where no rank had one,
+    or frozen): ``p.grad`` copied where it is whole, else each owner's range summed with the other ranks'
+    zeros (exact). Collective under stage 2 (``grad_of``, agreed) and for a ``partial`` grad: one
+    all-reduce of the param's size."""
+    if not chosen:
+        return None
+    (i,) = chosen
+    p = table.params[i]
+    if grad_of is None and i not in partial:
+        return None if p.grad is None else p.grad.detach().clone()
+    if grad_of is not None and not grad_of.has(i):
+        return None
+    full = torch.zeros(p.numel(), dtype=p.dtype, device=comm.device)
+    mine = [pc for pc in pieces if pc.index == i]
+    local = local_grad(table, chosen, mine, grad_of)
+    if local is not None:
+        full[min(pc.start for pc in mine) : max(pc.stop for pc in mine)] = local
+    comm.all_reduce_(full, op="sum", what=f"the full grad of {table.label(i)}")
+    return full.view(p.shape).to(p.device)

@@ -53,6 +53,51 @@ def will_run(node) -> bool:
     return bool(will_execute(node))
 
 
+def will_accumulate(node) -> bool:
+    """Whether the running backward pass will execute leaf ``node`` (an ``AccumulateGrad``), writing
+    ``.grad``: False under ``torch.autograd.grad``, which captures the leaf's grad instead (torch
+    refuses to answer for a captured leaf). Only inside a backward pass."""
+    try:
+        return will_run(node)
+    except RuntimeError as error:
+        if "autograd.grad" in str(error):  # "A leaf node was passed ... running autograd.grad()"
+            return False
+        raise
+
+
+def accumulates(nodes: Callable[[], Any]) -> bool:
+    """Whether the running backward pass writes
+    ``.grad``: a backward over the whole graph (``loss.backward()``: the engine executes every node
+    it reaches), or one restricted to ``inputs=`` that will execute one of the ``AccumulateGrad``
+    nodes ``nodes()`` returns (asked only then). Not ``torch.autograd.grad`` (its leaves' grads are captured, never accumulated).
+    Only inside a backward pass. See [Note: arming a backward] in _stage2/reducer.py."""
+    whole = getattr(torch.autograd, "_is_checkpoint_valid", None)
+    if whole is None:
+        raise RuntimeError(
+            f"hf_zero: torch {torch.__version__} has no torch.autograd._is_checkpoint_valid, which stage 2 relies on; "
+            "please report this with your versions of hf_zero and torch"
+        )
+    return bool(whole()) or any(will_accumulate(node) for node in nodes())
+
+
+def in_functorch() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ...) is running: a forward inside one is
+    the transform's, not a training step's."""
+    peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+    if peek is None:
+        raise RuntimeError(
+            f"hf_zero: torch {torch.__version__} has no torch._C._functorch.peek_interpreter_stack, which stage 2 "
+            "relies on; please report this with your versions of hf_zero and torch"
+        )
+    return peek() is not None
+
+
+def plain_tensors():
+    """A context in which a tensor subclass's ``__torch_function__`` runs torch's own op on its instances,
+    as torch's default ``Tensor.__torch_function__`` does (results are not re-wrapped)."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
 def graph_task_id() -> int:
     """The id of the backward pass running on this thread (a nested one, e.g. a reentrant
     checkpoint's, has its own), or -1 outside any backward pass."""

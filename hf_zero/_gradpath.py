@@ -184,6 +184,13 @@ class GradientPath:
                 "bind_module is for stage=2 (hf_zero reduces the grads, no DDP); a stage-1 optimizer binds "
                 "the DistributedDataParallel wrapping the model with bind_ddp(ddp)"
             )
+        reader = reads_full_grads_after_step(module)
+        if reader is not None:
+            raise ValueError(
+                f"bind_module: {reader}; under stage=2 the grads are sharded and freed at the step. Use stage=1 with "
+                "grad_reduce='all_reduce' (Trainer: --optim_args stage=1,grad_reduce=all_reduce), where p.grad is the "
+                "full averaged grad until zero_grad(), as under DDP"
+            )
         _refuse_needing_ddp(module)
         self.stage2.bind(module, self.binding, cap_bytes=int(bucket_cap_mb * (1 << 20)), broadcast_buffers=broadcast_buffers,
                          local_accumulation=local_accumulation)
@@ -230,8 +237,12 @@ class GradientPath:
         self.ddp_bucket_view = bool(getattr(ddp, "gradient_as_bucket_view", False))
         if not self.ddp_bucket_view:
             _warn_copy_of_grads(ddp)
+        reader = reads_full_grads_after_step(ddp.module)
+        if reader is not None and self.grad_reduce == "reduce_scatter":
+            raise ValueError(f"bind_ddp: {reader}; with grad_reduce='reduce_scatter' p.grad holds the average only in "
+                             "this rank's ranges: use grad_reduce='all_reduce' (or leave it 'auto')")
         if self.grad_reduce == "auto":
-            self.grad_reduce = grad_reduce_default
+            self.grad_reduce = "all_reduce" if reader is not None else grad_reduce_default
         if self.grad_reduce == "reduce_scatter" and self.reducer is None and self.comm.world_size > 1:
             reason = None
             if syncs_every_backward:
@@ -249,6 +260,19 @@ class GradientPath:
                 self.grad_reduce = "all_reduce"
         if self.reducer is not None:
             self.reducer.agree_on_finite = grad_scaler
+
+
+def reads_full_grads_after_step(module: torch.nn.Module) -> str | None:
+    """What in ``module`` reads every param's whole averaged ``p.grad`` after ``optimizer.step()`` (PEFT's
+    AdaLoRA: ``update_and_allocate`` scores each LoRA param by ``p * p.grad``, the same on every rank), or None."""
+    for m in (module, getattr(module, "base_model", None)):
+        configs = getattr(m, "peft_config", None)
+        for config in configs.values() if isinstance(configs, dict) else ():
+            kind = getattr(config, "peft_type", None)
+            if getattr(kind, "value", kind) == "ADALORA":
+                return ("the model is a PEFT AdaLoRA model, whose update_and_allocate() reads every LoRA param's "
+                        "full averaged p.grad after optimizer.step()")
+    return None
 
 
 _warned_copy = False

@@ -247,8 +247,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         return None if self._reload_due else self._partition
 
     def _gradient_facts(self) -> tuple[ParamTable, Layout | None]:
-        live = self._live()
-        return self._table, None if live is None else live.layout
+        return self._table, getattr(self._live(), "layout", None)
 
     # -- step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -378,15 +377,6 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         """Wait for an overlapped parameter sync in flight (else a no-op): every param is then complete. Not a collective."""
         self._grad.wait()
 
-    def _clip_args(self, parameters, what: str) -> tuple[set[int], list, set[int], Any]:
-        """(chosen, this rank's pieces, the partial grads, stage 2's grads), after averaging the unreduced grads."""
-        chosen = self._table.selected(parameters, what)
-        if not self._iteration.grads_averaged:
-            self.average_unreduced_grads()
-        sharded = self._grad.sharded_grads()
-        pieces = sharded.pieces if sharded else _clip.norm_pieces(self._table, self._comm, self.shard, self._live())
-        return chosen, pieces, self._grad.partial_grads, sharded
-
     @torch.no_grad()
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, parameters=None
@@ -394,7 +384,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         """Clip grads like ``torch.nn.utils.clip_grad_norm_(parameters, ...)`` (default: all
         params; frozen ones have no grad); returns the total norm before clipping. Collective:
         every rank passes the same params, sums its own elements, one scalar all-reduce."""
-        chosen, pieces, partial, sharded = self._clip_args(parameters, "clip_grad_norm_")
+        chosen, pieces, partial, sharded = _clip_args(self, parameters, "clip_grad_norm_")
         return _clip.clip_norm(self._comm, self._table, chosen, pieces, partial, max_norm=max_norm, grad_of=sharded,
                                norm_type=float(norm_type), error_if_nonfinite=error_if_nonfinite)
 
@@ -402,9 +392,22 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def clip_grad_value_(self, clip_value: float, *, parameters=None) -> None:
         """Clamp grads to ``[-clip_value, clip_value]`` like ``torch.nn.utils.clip_grad_value_(parameters, ...)``
         (default: all params), after averaging the grads DDP does not reduce. Collective."""
-        chosen, pieces, partial, sharded = self._clip_args(parameters, "clip_grad_value_")
+        chosen, pieces, partial, sharded = _clip_args(self, parameters, "clip_grad_value_")
         for g in _clip.valid_grads(self._table, chosen, pieces, partial, sharded):
             g.clamp_(-clip_value, clip_value)
+
+    @torch.no_grad()
+    def full_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s averaged grad, whole (a new tensor), between the backward and the step, at either stage: DDP's
+        ``p.grad`` (None where no rank had one). Collective: one all-reduce of its size where it is sharded."""
+        chosen, pieces, partial, sharded = _clip_args(self, param, "full_grad")
+        return _clip.full_grad(self._comm, self._table, chosen, pieces, partial, sharded and sharded.agree())
+
+    def local_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """This rank's range of ``param``'s averaged grad, a 1-D view of what the step reads (write into it to change
+        the step's grad), between the backward and the step; None where this rank owns none of it: docs/stage2.md."""
+        chosen, pieces, _, sharded = _clip_args(self, param, "local_grad")
+        return _clip.local_grad(self._table, chosen, pieces, sharded)
 
     # -- Join ------------------------------------------------------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
@@ -527,6 +530,16 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if found is not None:
             self.load_sharded(found)
         return found
+
+
+def _clip_args(opt: ZeroBucketOptimizer, parameters, what: str) -> tuple[set[int], list, set[int], Any]:
+    """(chosen, this rank's pieces, the partial grads, stage 2's grads), after averaging the unreduced grads."""
+    chosen = opt._table.selected(parameters, what)
+    if not opt._iteration.grads_averaged:
+        opt.average_unreduced_grads()
+    sharded = opt._grad.sharded_grads()
+    pieces = sharded.pieces if sharded else _clip.norm_pieces(opt._table, opt._comm, opt.shard, opt._live())
+    return chosen, pieces, opt._grad.partial_grads, sharded
 
 
 def _ledger_of(opt: ZeroBucketOptimizer, reset_peaks: bool) -> MemoryLedger:

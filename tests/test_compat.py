@@ -192,6 +192,8 @@ def test_unversioned_shims_find_what_they_rely_on(tmp_path):
     assert hasattr(torch.autograd.Variable._execution_engine, "queue_callback")  # hf_zero/_engine.py
     assert callable(torch._C._will_engine_execute_node)  # hf_zero/_engine.py (stage 2)
     assert callable(torch._C._current_graph_task_id) and callable(torch._C._current_autograd_node)  # stage 2
+    assert callable(torch.autograd._is_checkpoint_valid) and callable(torch._C._functorch.peek_interpreter_stack)
+    _autograd_grad_is_told_apart()  # hf_zero/_engine.py: accumulates / will_accumulate (stage 2)
     for name in ("prepare_model", "prepare_optimizer"):
         assert callable(getattr(Accelerator, name)), name
     accelerator = Accelerator(cpu=True)
@@ -417,3 +419,19 @@ def test_route_unscale_is_what_gradscaler_reads_grads_through():
     for clone in (pickle.loads(pickle.dumps(routed)), copy.deepcopy(routed)):
         assert vars(clone)["_unscale_grads_"].scaler is clone
         assert vars(clone)["_unscale_grads_"].route is vars(routed)["_unscale_grads_"].route
+
+
+def _autograd_grad_is_told_apart():
+    """What stage 2's arming reads of the engine: a whole backward, one restricted to ``inputs=``, and
+    ``torch.autograd.grad`` of a leaf (whose question torch refuses with a message naming autograd.grad)."""
+    from hf_zero._engine import accumulates, grad_accumulator
+
+    w = torch.nn.Parameter(torch.ones(2))
+    node = grad_accumulator(w)
+    out = (w * 2).sum()
+    seen = []
+    out.grad_fn.register_prehook(lambda grads: seen.append(accumulates(lambda: [node])))
+    torch.autograd.grad(out, w, retain_graph=True)
+    out.backward(inputs=[w], retain_graph=True)
+    out.backward()
+    assert seen == [False, True, True]

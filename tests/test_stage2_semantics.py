@@ -438,7 +438,7 @@ def test_a_grad_replaced_by_hand_is_refused_naming_the_fix():
 def test_torch_clipping_of_the_stand_ins_fails_loudly_instead_of_clipping_nothing():
     """Before, ``torch.nn.utils.clip_grad_norm_`` found every p.grad None and returned 0."""
     model, opt = _bound_mlp()
-    with pytest.raises(RuntimeError, match="more than one element of the written-to tensor"):
+    with pytest.raises(RuntimeError, match=r"writes into the grad of .*clip with optimizer.clip_grad_norm_"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
 
 

@@ -107,6 +107,12 @@ class ShardedGrads:
             raise RuntimeError("hf_zero: ShardedGrads read before the ranks agreed on which params have grads")
         return self.held(piece) if piece.index in self._since.agreed else None
 
+    def has(self, i: int) -> bool:
+        """Whether some rank had a grad for param ``i`` since the step (once agreed)."""
+        if self._since.agreed is None:
+            raise RuntimeError("hf_zero: ShardedGrads read before the ranks agreed on which params have grads")
+        return i in self._since.agreed
+
     def all_reduce_along(self, scalar: torch.Tensor, *, op: str, what: str) -> torch.Tensor:
         """``scalar`` (0-dim) all-reduced with ``op`` ("sum" or "max"), with the presence flags riding
         along until they are agreed (either op marks presence). Collective (one small all-reduce)."""

@@ -221,24 +221,32 @@ class ParamHooks:
         reducer = self._reducer()
         if reducer is not None and any(params[i].requires_grad for i in self._unhooked):
             for i in [i for i in self._unhooked if params[i].requires_grad]:
-                self._binding.keep(params[i].register_hook(_BeforeAccumulating(reducer)))
-                self._binding.keep(params[i].register_post_accumulate_grad_hook(_GradHook(reducer, i)))
+                taking = params[i].register_post_accumulate_grad_hook(_GradHook(reducer, i))
+                self._binding.keep(params[i].register_hook(_BeforeAccumulating(reducer, taking)))
+                self._binding.keep(taking)
             self._unhooked = [i for i in self._unhooked if not params[i].requires_grad]
 
 
 class _BeforeAccumulating(Hook):
     """A param's tensor hook: no stand-in may be in ``p.grad`` when autograd accumulates into it
-    ([Note: p.grad stands in for the shards]); the reducer is held weakly."""
+    ([Note: p.grad stands in for the shards]); the reducer is held weakly. And the reducer's
+    post-accumulate-grad hook (``taking``, which takes the grad out of ``p.grad``) runs after every
+    other one of the param, registered before the bind or since: those see this rank's grad in
+    ``p.grad``, as under DDP (torch runs them in their dict's insertion order: ours is put back last)."""
 
-    __slots__ = ("_reducer",)
+    __slots__ = ("_reducer", "_hooks", "_last")
 
-    def __init__(self, reducer: Reducer):
+    def __init__(self, reducer: Reducer, taking):
         self._reducer = weakref.ref(reducer)
+        self._hooks, self._last = taking.hooks_dict_ref(), taking.id  # the param's own dict: no cycle
 
     def __call__(self, grad: torch.Tensor) -> None:
         reducer = self._reducer()
         if reducer is not None:
             reducer.settle(clear=True)
+            hooks, last = self._hooks, self._last
+            if len(hooks) > 1 and next(reversed(hooks)) != last and last in hooks:
+                hooks[last] = hooks.pop(last)
 
 
 class _GradHook(Hook):

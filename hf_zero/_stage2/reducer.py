@@ -97,7 +97,14 @@ hooks every param of the optimizer:
   needs a grad (this rank used no trainable param) gets outputs that do (copies through an
   empty leaf), so that this rank's backward arms too and joins the reduce-scatters with
   zeros. A param hook firing before any prehook (a param used outside the model's
-  forward) arms there. A backward that raised never ends: the next forward, ``zero_grad()``
+  forward) arms there. Only a backward that writes ``.grad`` arms, as only a backward
+  through ``ddp(x)``'s outputs reduces under DDP: ``loss.backward()``, or a backward
+  restricted to ``inputs=`` that reaches a param of the reducer (``accumulates`` in
+  _engine.py). ``torch.autograd.grad`` (a saliency map on one rank, a gradient penalty,
+  MAML's inner step, GradNorm, a diagnostic with ``retain_graph=True``) accumulates into no
+  ``.grad``: like a forward, it runs no collective and the next backward arms as usual.
+  A forward inside a ``torch.func`` transform (per-sample grads) is the transform's: it
+  takes no buffers, anchors and arms nothing. A backward that raised never ends: the next forward, ``zero_grad()``
   or step finishes the reductions it started, drops the rest, and the step refuses the
   partial shards until ``zero_grad()``.
 """
@@ -112,7 +119,10 @@ import torch
 
 from .._binding import Binding
 from .._comm import Comm, early_divisor
-from .._engine import graph_task_id, grad_accumulator, queue_end_of_backward, reentrant_region_below, tree_tensors, will_run
+from .._engine import (
+    accumulates, graph_task_id, grad_accumulator, in_functorch, queue_end_of_backward, reentrant_region_below, tree_tensors,
+    will_run,
+)
 from .._layout import plan_layout
 from .buffers import ReceivedBuffers, broadcast_at_bind
 from .grads import ShardedGrads, Shards, unscale
@@ -232,16 +242,16 @@ class Reducer:
         if key != self._plan_key:
             layout = plan_layout(specs, world_size=self.comm.world_size, shard=self._shard,
                                  buckets=plan_buckets(specs, self.cap_bytes, backward_order(self._table(), self.module_ref)))
-            self._plan, self._plan_key = plan_of(layout, self.comm.rank), key
+            plan, params = plan_of(layout, self.comm.rank), self._table().params
+            accumulators = {i: grad_accumulator(params[i]) for i in plan.where}  # before anything changes
+            self._plan, self._plan_key, self._accumulators = plan, key, accumulators
             self._pool.plan(layout.buffers, self._plan.sizes, self.cap_bytes)
-            params = self._table().params
-            self._accumulators = {i: grad_accumulator(params[i]) for i in self._plan.where}
         return self._plan
 
     # -- the backward ----------------------------------------------------------------------
     def before_forward(self, module: torch.nn.Module) -> None:
         """The bound module's forward pre-hook: see [Note: arming a backward]."""
-        if graph_task_id() != -1:  # a checkpoint recomputing the forward inside a backward
+        if graph_task_id() != -1 or in_functorch():  # a checkpoint recomputing the forward; torch.func's
             return
         if self._armed:
             self._abandon()
@@ -253,7 +263,7 @@ class Reducer:
     def after_forward(self, output):
         """The bound module's forward hook: arm the backward of ``output`` at its start (unless
         that backward runs under ``no_sync()``: decided when it runs)."""
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or in_functorch():
             return None
         leaves, rebuild = tree_tensors(output)
         tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -275,8 +285,12 @@ class Reducer:
 
     def arm(self, root) -> None:
         """A backward through the bound module's outputs starts at autograd node ``root``."""
-        if not self._armed and not self._suspended:
+        if not self._armed and not self._suspended and accumulates(self._param_nodes):  # not torch.autograd.grad
             self._begin(root)
+
+    def _param_nodes(self):
+        self._current_plan()
+        return self._accumulators.values()
 
     def on_grad(self, i: int, p: torch.Tensor) -> None:
         if self._suspended or p.grad is None:
@@ -445,7 +459,8 @@ class Reducer:
             self._finish(*self._in_flight.popleft())
         self._armed, self._shards.since.agreed, self._pending = False, None, set()
         ARMED.discard(self)
-        self._stand_ins.place(params, [i for i in self._plan.where if params[i].grad is None and params[i].requires_grad])
+        self._stand_ins.place(params, [i for i in self._plan.where if params[i].grad is None and params[i].requires_grad],
+                              self._table().label)
         if self._broadcast_buffers and self.module_ref() is not None:
             self._buffers.receive(self.comm, list(self.module_ref().buffers()))
 

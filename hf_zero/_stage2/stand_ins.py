@@ -14,25 +14,83 @@ elements of the param's grad are zeroed in the shard and the param has no grad s
 step (the step skips it, as torch's optimizers skip a grad of None: no weight decay, no
 moments); zeroed in place, its elements are zeroed and it keeps a grad; replaced by
 another tensor or changed otherwise, it is an error that names the fix (the shards cannot
-follow). Reading a stand-in gives NaN, and an in-place op other than ``zero_()`` on it
-raises (torch refuses writes to an expanded tensor): code that reads or scales ``p.grad``
-between backward and step (``torch.nn.utils.clip_grad_norm_``) fails loudly rather than
-seeing nothing. The step and ``zero_grad`` take the stand-ins out again.
+follow). Reading a stand-in gives NaN. Every other write into it raises, naming the fix:
+the stand-in is a :class:`StandIn` (a tensor subclass whose ``__torch_function__`` sees
+every op on it and on its views, ``.data`` included), which lets ``zero_()``,
+``torch._foreach_zero_`` and ``requires_grad_`` / ``detach_`` (``module.zero_grad(
+set_to_none=False)``) through and refuses every other in-place op, indexed assignment and
+``out=`` into it. So "its version moved" means exactly "it was zeroed": no value is read
+to guess what the user meant, and a NaN-sanitising ``p.grad[p.grad.isnan()] = 0`` or
+``masked_fill_``, torch's ``clip_grad_norm_`` or an unprepared GradScaler fails loudly
+rather than zeroing or scaling nothing. (Writes into this rank's piece of the averaged
+grad go through ``optimizer.local_grad(p)``.) The step and ``zero_grad`` take the
+stand-ins out again.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._engine import version_of
+from .._engine import plain_tensors, version_of
+
+
+_LETS_THROUGH = frozenset({"zero_", "_foreach_zero_", "requires_grad_", "detach_"})
+_IN_PLACE_OPERATORS = frozenset({"__setitem__", "__set__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                                 "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__",
+                                 "__ilshift__", "__irshift__", "__imatmul__"})
+
+
+class StandIn(torch.Tensor):
+    """A ``p.grad`` stand-in (and each view of one): reads give NaN; writes other than zeroing raise
+    ([Note: p.grad stands in for the shards]). ``label``: the param's, for the message."""
+
+    label = "a param"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        writes = name in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+        into = _stand_in(kwargs.get("out"))
+        if into is not None or (writes and name not in _LETS_THROUGH):
+            raise RuntimeError(_refusal(into if into is not None else _stand_in(args), name))
+        with plain_tensors():
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and not isinstance(out, StandIn):
+                first = _stand_in(args)
+                if first is not None and out.untyped_storage().data_ptr() == first.untyped_storage().data_ptr():
+                    out = out.as_subclass(StandIn)  # a view (``.data``, ``view``, indexing) refuses writes too
+                    out.label = first.label
+        return out
+
+
+def _stand_in(x):
+    """The first :class:`StandIn` in ``x`` (a tensor, or a list or tuple of them), or None."""
+    if isinstance(x, StandIn):
+        return x
+    if isinstance(x, (list, tuple)):
+        return next((s for s in map(_stand_in, x) if s is not None), None)
+    return None
+
+
+def _refusal(stand_in, op: str) -> str:
+    label = stand_in.label if stand_in is not None else "a param"
+    return (
+        f"hf_zero stage 2: {op} writes into the grad of {label} after the backward; under stage 2 p.grad only "
+        "stands in for the averaged grad, which lives in the optimizer's shards, and only p.grad = None and "
+        "zero_() are followed. Write into this rank's piece of it instead (optimizer.local_grad(p), e.g. "
+        "optimizer.local_grad(p).nan_to_num_(0.0) on every rank), clip with optimizer.clip_grad_norm_ / "
+        "clip_grad_value_, prepare a GradScaler with hf_zero.prepare_grad_scaler, or use stage=1 with "
+        "grad_reduce='all_reduce' for code that writes p.grad"
+    )
 
 
 class StandIns:
     """What ``p.grad`` holds between a syncing backward and the step: see [Note: p.grad stands in for the shards]."""
 
     def __init__(self):
-        self._standing: dict[int, tuple] = {}  # param index -> (the param, its stand-in in p.grad, its version then)
-        self._kept: dict[int, torch.Tensor] = {}  # reused from one backward to the next while untouched
+        self._standing: dict[int, tuple] = {}  # param index -> (the param, its stand-in in p.grad, its plain alias, its version then)
+        self._kept: dict[int, tuple] = {}  # (stand-in, plain alias): reused from one backward to the next while untouched
 
     def __bool__(self) -> bool:
         return bool(self._standing)
@@ -41,23 +99,26 @@ class StandIns:
         """Whether ``p.grad`` (param ``i``) is its stand-in."""
         return i in self._standing and p.grad is self._standing[i][1]
 
-    def place(self, params, indices) -> None:
-        """Put the stand-ins of these params (whose ``p.grad`` is None) in ``p.grad``."""
+    def place(self, params, indices, label) -> None:
+        """Put the stand-ins of these params (whose ``p.grad`` is None) in ``p.grad``; ``label(i)``: param i's name."""
         for i in indices:
-            p, s = params[i], self._kept.get(i)
-            if s is None or s.shape != p.shape or s.dtype != p.dtype or s.device != p.device or version_of(s):
-                s = self._kept[i] = torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
+            p, (s, plain) = params[i], self._kept.get(i, (None, None))
+            if s is None or plain.shape != p.shape or plain.dtype != p.dtype or plain.device != p.device or version_of(plain):
+                plain = torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
+                s = plain.as_subclass(StandIn)  # shares plain's version counter, read without __torch_function__
+                s.label = label(i)
+                self._kept[i] = (s, plain)
             p.grad = s
-            self._standing[i] = (p, s, version_of(s))
+            self._standing[i] = (p, s, plain, version_of(plain))
 
     def settle(self, table, *, clear: bool) -> list[tuple[int, bool]]:
         """What was done to the stand-ins since they were placed: (param index, zeroed rather than
         dropped) for each set to None (dropped) or zeroed in place; anything else raises. ``clear``:
         a backward starts: take the stand-ins out of ``p.grad`` (autograd accumulates into it)."""
         params, changed = table.params, []
-        for i, (_, s, version) in list(self._standing.items()):
+        for i, (_, s, plain, version) in list(self._standing.items()):
             g = params[i].grad
-            if g is s and version_of(s) == version:
+            if g is s and version_of(plain) == version:
                 pass
             elif g is None:
                 changed.append((i, False))
@@ -70,15 +131,9 @@ class StandIns:
                     "for them: set p.grad = None (or zero_grad()) to drop a grad, zero_() it to zero it, clip "
                     "with optimizer.clip_grad_norm_ / clip_grad_value_, or use stage=1"
                 )
-            elif bool(s.reshape(-1)[:1].ne(0).any()):
-                raise RuntimeError(
-                    f"hf_zero stage 2: the grad of {table.label(i)} was changed in place after the backward; "
-                    "under stage 2 p.grad only stands in for the sharded grad: set it to None or zero_() it, clip "
-                    "with optimizer.clip_grad_norm_ / clip_grad_value_ (not torch.nn.utils'), or use stage=1"
-                )
-            else:
+            else:  # zeroed: the only write a stand-in lets through
                 changed.append((i, True))
-                self._standing[i] = (params[i], s, version_of(s))
+                self._standing[i] = (params[i], s, plain, version_of(plain))
             if clear:
                 params[i].grad = None
                 del self._standing[i]
@@ -86,7 +141,7 @@ class StandIns:
 
     def clear(self) -> None:
         """The grads are spent (a step, ``zero_grad``, the reducer is gone): the stand-ins leave ``p.grad``."""
-        for p, s, _ in self._standing.values():
+        for p, s, _, _ in self._standing.values():
             if p.grad is s:
                 p.grad = None
         self._standing = {}

@@ -7,8 +7,8 @@ without an explicit ``unscale_``) calls it, and ``step`` (skip on inf) and ``upd
 (back off or grow the scale) read the found-inf record it returns. Under stage 2 ``p.grad``
 only stands in for the sharded grads after the backward (a NaN expanded to the param's
 shape: [Note: p.grad stands in for the shards] in _stage2/stand_ins.py), so the scaler's in-place
-unscale of it raises ("more than one element of the written-to tensor refers to a single
-memory location"); the grads it must unscale are the shards.
+unscale of it raises (the stand-in refuses every write but zeroing); the grads it must unscale
+are the shards.
 
 torch's FSDP ``ShardedGradScaler`` is a subclass that overrides ``_unscale_grads_`` (for
 sharded grads) and all-reduces found_inf in ``unscale_``. hf_zero overrides the same one
@@ -49,8 +49,8 @@ def prepare_grad_scaler(scaler):
     inf/NaN in any rank's grads skips the step on every rank and backs off every rank's scale.
     Other optimizers (stage 1 included) are unscaled by torch as before. Without it, torch's
     GradScaler unscales the ``p.grad`` stand-ins of stage 2 in place, which raises
-    (``RuntimeError: unsupported operation: more than one element of the written-to tensor
-    ...``)."""  # how: [Note: GradScaler over sharded grads]
+    (``RuntimeError: hf_zero stage 2: ... writes into the grad of ...``).
+    See [Note: GradScaler over sharded grads]."""
     _compat.route_unscale(scaler, _unscale_sharded)
     return scaler
 
