@@ -6,6 +6,7 @@ must call it with arguments of the same shape, in the same order.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -57,6 +58,8 @@ class Comm:
         self.group = process_group
         self.enabled = dist.is_available() and dist.is_initialized()
         self._scratch = _Scratch()  # the reduce-scatters' receive scratch
+        self._agreement_slots: dict = {}  # see Agreement
+        self._last_agreement: Agreement | None = None
         if not self.enabled:
             if process_group is not None:
                 raise ValueError("process_group was given but torch.distributed is not initialized")
@@ -405,15 +408,13 @@ class Comm:
 
     # -- agreement ----------------------------------------------------------------
     def agree(self, fingerprint: int, flag: bool = False) -> tuple[bool, bool]:
-        """(every rank passed the same 62-bit ``fingerprint``, some rank passed ``flag``).
+        """(every rank passed the same 62-bit ``fingerprint``, some rank passed ``flag``), at once."""
+        agreement = self.start_agreement(fingerprint, flag)
+        return agreement.same, agreement.anyone
 
-        One all-reduce of three int64s: max of x, of -x and of the flag.
-        """
-        if self.world_size == 1:
-            return True, flag
-        t = torch.tensor([fingerprint, -fingerprint, int(flag)], dtype=torch.int64, device=self.device)
-        self._blocking("the cross-rank layout agreement check", dist.all_reduce, t, op=dist.ReduceOp.MAX)
-        return int(t[0]) == -int(t[1]), bool(t[2])
+    def start_agreement(self, fingerprint: int, flag: bool) -> "Agreement":
+        """Start comparing ``fingerprint`` and ``flag`` across ranks; read the :class:`Agreement` when it is due."""
+        return Agreement(self, fingerprint, flag)
 
     def all_gather_object(self, obj: Any) -> list:
         """Small metadata only (rebuilds, errors): pickled."""
@@ -439,6 +440,90 @@ class Comm:
     def barrier(self) -> None:
         if self.world_size > 1:
             self._blocking("a barrier", dist.barrier)
+
+
+class Agreement:
+    """A comparison of a 62-bit fingerprint and a flag across ranks: one MAX all-reduce of four int64s
+    (x, -x, the flag, -the flag), started when made, read with :attr:`same`, :attr:`anyone`, :attr:`everyone`.
+
+    [Note: reading an agreement late]
+    Reading a collective's result on the host waits for everything queued before it: on an accelerator, the
+    whole step's kernels. So a steady step does not read its agreement where it starts it:
+
+    - tensors on the CPU (gloo): :meth:`due` is true once the step's own collectives were waited for, at the
+      end of the step; by then the all-reduce, started before them, has completed on every rank, and reading
+      it waits for nothing;
+    - an accelerator: :meth:`settle` (at the end of the step) queues a copy of the result into pinned host
+      memory behind the all-reduce and records an event; the result is read at the start of the next step,
+      after that event, which completed long before.
+
+    The values are read through a ``ctypes`` view of the host memory, made once per buffer: its reads are plain
+    memory reads, which nothing queued can delay (a read of a ``torch.Tensor``'s value is what
+    tests/test_hostpath.py counts: on an accelerator, each one waits)."""
+
+    def __init__(self, comm: Comm, fingerprint: int, flag: bool):
+        self._values: tuple[int, ...] | None = None
+        self._event = None
+        self._cpu = comm.device.type == "cpu"
+        values = (fingerprint, -fingerprint, int(flag), -int(flag))
+        if comm.world_size == 1:
+            self._values = values
+            return
+        if comm._last_agreement is not None:  # its slots are reused: its result is read first
+            comm._last_agreement._read()
+        comm._last_agreement = self
+        host, view = _host_slot(comm, 0)
+        view[:] = values
+        if comm.device.type == "cpu":
+            self._tensor, self._host, self._view = host, host, view
+        else:
+            self._tensor = host.to(comm.device, non_blocking=True)
+            self._host, self._view = _host_slot(comm, 1)
+        with _named("the cross-rank layout agreement check", comm.rank):
+            work = dist.all_reduce(self._tensor, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
+        self._pending = comm._pending([work], "the cross-rank layout agreement check")
+
+    def settle(self) -> None:
+        """The step's collectives were waited for: on an accelerator, queue the result's copy to the host."""
+        if self._values is None and not self._cpu and self._event is None:
+            self._pending.wait()  # the stream waits; the host does not
+            self._host.copy_(self._tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def _read(self) -> tuple[int, ...]:
+        if self._values is None:
+            if self._cpu:
+                self._pending.wait()
+            else:
+                self.settle()
+                self._event.synchronize()
+            self._values = tuple(self._view)
+        return self._values
+
+    @property
+    def same(self) -> bool:
+        """Every rank passed the same fingerprint."""
+        v = self._read()
+        return v[0] == -v[1]
+
+    @property
+    def anyone(self) -> bool:
+        """Some rank passed the flag."""
+        return bool(self._read()[2])
+
+    @property
+    def everyone(self) -> bool:
+        """Every rank passed the flag."""
+        return self._read()[3] == -1
+
+
+def _host_slot(comm: Comm, slot: int):
+    """Four int64s of host memory (pinned for an accelerator) and a ctypes view of them, made once per ``comm``."""
+    if slot not in comm._agreement_slots:
+        host = torch.zeros(4, dtype=torch.int64, pin_memory=comm.device.type == "cuda")
+        comm._agreement_slots[slot] = (host, (ctypes.c_int64 * 4).from_address(host.data_ptr()))
+    return comm._agreement_slots[slot]
 
 
 # Point-to-point tags, one per purpose: gloo matches messages by (peer, tag), in order.

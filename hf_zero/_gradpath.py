@@ -75,6 +75,10 @@ class GradientPath:
         """``param``'s index in :attr:`params`, or None when it is not one of them."""
         return self._facts()()[0].index(param)
 
+    def param_indices(self, params) -> tuple[int | None, ...]:
+        """:meth:`param_index` of each of ``params`` (one table lookup for all: a DDP bucket's)."""
+        return self._facts()()[0].indices(params)
+
     @property
     def layout(self) -> Layout | None:
         """The current layout (buffers and each rank's ranges); None before the first step."""

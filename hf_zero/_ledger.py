@@ -20,8 +20,9 @@ counted once (bucket views share the flat buffer; a tied weight is one param):
   ``state_dict()``.
 
 Peaks are the most each category held at the moments it was observed since the last reset: every
-``memory_ledger()`` call, and before and after every step (the grads are whole before it, the state
-after it); stage 2's reduce buckets are observed at every change. ``total`` is the sum now;
+``memory_ledger()`` call, and, from the first call on, before and after every step (the grads are whole
+before it, the state after it); stage 2's reduce buckets are observed at every change. Counting walks
+every param and grad, which a step that nobody asked about does not pay for. ``total`` is the sum now;
 ``peak_total`` the sum of the peaks (an upper bound: categories peak at different moments).
 Activations, autograd's buffers and the allocator's cache are not hf_zero's and are not counted.
 """
@@ -90,6 +91,7 @@ class Peaks:
 
     def __init__(self):
         self._peak: dict[str, int] = {}
+        self.watching = False  # steps observe from the first ledger on
 
     def observe(self, now: dict) -> dict:
         """Fold ``now`` (category -> bytes) in; the peaks so far."""

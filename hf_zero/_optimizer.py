@@ -26,7 +26,7 @@ from ._ledger import CATEGORIES, MemoryLedger, Peaks, storage_bytes
 from ._lifecycle import StateLifecycle
 from ._gradpath import GRAD_REDUCE, GradientPath
 from ._masters import check_choice
-from ._params import ParamTable, check_params
+from ._params import LayoutCheck, ParamTable, check_params
 from ._partition import Partition, all_holdings, rebuild
 from ._state import Holdings
 from ._statedict import STATE_DICT_PARAMS
@@ -192,6 +192,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._partition: Partition | None = None
         self._reload_due = False  # a load happened: the next step rebuilds on every rank
         self._lifecycle = StateLifecycle()
+        self._check = LayoutCheck()  # [Note: the layout check]
         self._iteration = _Iteration()
         self._peaks = Peaks()  # [Note: memory ledger]
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
@@ -263,17 +264,25 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         elif closure is not None:
             kwargs = {"closure": closure, **kwargs}
         grads = self._grad.sharded_grads()  # checked before any collective: [Note: a forward without its backward]
-        self._peaks.observe(_memory_now(self))  # the grads whole (or sharded), before the step frees them
+        if self._peaks.watching:
+            self._peaks.observe(_memory_now(self))  # the grads whole (or sharded), before the step frees them
         self.wait_param_sync()
-        self.ensure_partition()
-        if not self._iteration.grads_averaged:
-            self.average_unreduced_grads()
-        local_loss = self._partition.step_and_sync(self.param_groups, kwargs, self._comm, self._table.params,
-                                                   self._grad.overlap, self._grad.for_step(grads))
+        self._ensure_partition(force=False, blocking=False)
+        if self._check.mirroring:  # [Note: the layout check]: the other ranks' collectives, no update
+            self._grad.for_step(grads)
+            self._partition.sync(self._comm, self._table.params, self._grad.overlap)
+            local_loss = None
+        else:
+            if not self._iteration.grads_averaged:
+                self.average_unreduced_grads()
+            local_loss = self._partition.step_and_sync(self.param_groups, kwargs, self._comm, self._table.params,
+                                                       self._grad.overlap, self._grad.for_step(grads))
+        self._check.end_of_step(self._comm, self._table)
         self._iteration = _Iteration()
         self._grad.step_taken()
         self._lifecycle.stepped()
-        self._peaks.observe(_memory_now(self))
+        if self._peaks.watching:
+            self._peaks.observe(_memory_now(self))
         return loss if loss is not None else local_loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -286,18 +295,26 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._ensure_partition(force=True)
 
     def ensure_partition(self) -> None:
-        """Rebuild on every rank if any rank's trainability or views changed: one 24-byte all-reduce. Collective."""
+        """Rebuild on every rank if any rank's trainability changed: one 32-byte all-reduce, read at once. Collective."""
         self._ensure_partition(force=False)
 
-    def _ensure_partition(self, force: bool) -> None:
+    def _ensure_partition(self, force: bool, blocking: bool = True) -> None:
+        """``blocking``: every rank reads the layout check now; else a steady step reads it late ([Note: the layout check])."""
         self._lifecycle.check_pending()
-        mask = self._table.mask()
         intact = self._partition is not None and self._partition.views_intact(self._table.params)
-        live = self._live()
-        need = force or live is None or mask != live.mask or not intact or live.layout.buckets != self._grad.wanted_buckets
-        if self._table.agree(self._comm, mask, need=need, fresh=not intact):
+        live, mask = self._live(), self._table.mask()
+        need = force or live is None or mask != live.mask or live.layout.buckets != self._grad.wanted_buckets
+        if self._check.begin(self._comm, self._table, mask, need=need, fresh=not intact, blocking=blocking):
             self.wait_param_sync()
             self._rebuild()
+        elif not intact and not self._check.mirroring:  # storage replaced, the same params: this rank alone re-views
+            self.wait_param_sync()
+            self._rebuild()
+
+    def _check_agreement(self) -> None:
+        """Before a checkpoint collective: raise on every rank unless all hold the same params. Collective."""
+        self._check.read_late(self._comm, self._table)
+        self._table.check_agreement(self._comm)
 
     def _rebuild(self) -> None:
         self._table.check_materialized()
@@ -446,7 +463,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"to must be a rank in [0, {self._comm.world_size}), got {to}")
         self._lifecycle.check_pending()
-        self._table.check_agreement(self._comm)
+        self._check_agreement()
         self._lifecycle.consolidated(_lifecycle.consolidate(self._comm, self._table, self._holdings(), to, device))
 
     def state_dict(self) -> dict:
@@ -489,14 +506,14 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def save_sharded(self, path: str | os.PathLike) -> None:
         """Write a sharded checkpoint to directory ``path`` (its own, seen by all ranks), each rank its own state, no
         gather; atomic. Collective. Format: :mod:`hf_zero._sharded`."""
-        self._table.check_agreement(self._comm)
+        self._check_agreement()
         self._lifecycle.check_pending()
         _lifecycle.write_sharded(self, self._comm, self._table, self._holdings(), path)
 
     def load_sharded(self, path: str | os.PathLike) -> None:
         """Load a sharded checkpoint of any world size and shard mode, each rank reading the ranges it will own.
         Collective. Another model's or optimizer class's raises ``ValueError`` listing the mismatches; nothing changes."""
-        self._table.check_agreement(self._comm)
+        self._check_agreement()
         groups, held, has_state = _lifecycle.read_sharded(self, self._comm, self._table, path)
         self._adopt_loaded(groups, held, has_state=has_state)
 
@@ -528,6 +545,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
 def _ledger_of(opt: ZeroBucketOptimizer, reset_peaks: bool) -> MemoryLedger:
     now = _memory_now(opt)
+    opt._peaks.watching = True
     peaks = {**opt._peaks.observe(now), **opt._grad.memory_peaks(reset_peaks)}
     peaks["receive_scratch"] = opt._comm.scratch_peak(reset_peaks)  # observed as it is taken
     ledger = MemoryLedger(**now, peaks={k: v for k, v in peaks.items() if v})

@@ -43,6 +43,7 @@ from ._params import ParamTable
 from ._state import Holding, Holdings, Kind, kind_of, move, plan_moves, shape_as
 
 NOT_HYPER = ("params", "param_names")
+_DATA_PTR = torch.Tensor.data_ptr
 # torch.profiler labels of the step's parts (benchmarks/e2e.py --profile sums them): the
 # grads handed to the local optimizer (the masters' upcast), its step, the masters' round
 # into the 16-bit params, the sync's launches and its wait
@@ -81,6 +82,7 @@ class Partition:
         self.bucket_view = bucket_view
         self.buffers = buffers
         self.ptrs = MappingProxyType(dict(ptrs))
+        self._ptr_values = list(self.ptrs.values())
         self.pieces = pieces
         self.inner = inner
         self._grad_scratch: dict[torch.device, torch.Tensor] = {}  # masters' fp32 grads, reused each step
@@ -156,7 +158,7 @@ class Partition:
     # -- facts -------------------------------------------------------------------------
     def views_intact(self, params: tuple[torch.Tensor, ...]) -> bool:
         """Whether every trainable param still has the storage this partition gave it."""
-        return all(params[i].data_ptr() == ptr for i, ptr in self.ptrs.items())
+        return list(map(_DATA_PTR, map(params.__getitem__, self.ptrs))) == self._ptr_values
 
     def owned(self) -> list[Piece]:
         return [lp.piece for lp in self.pieces]
