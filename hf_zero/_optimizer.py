@@ -152,7 +152,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             sharded fp32 masters, saved as state ``"master_param"``; ``False``: pure
             16-bit steps. fp16 params use a ``GradScaler`` under stage 2 only (fp32 shards). See ``_masters.py``.
         stage: ``2`` shards grads too (no DDP: :meth:`bind_module`, docs/stage2.md); default ``1``.
-        grad_accum_dtype: stage 2's 16-bit grad shards: ``"param"`` (``"auto"``) or ``"fp32"`` (_stage2.py).
+        grad_accum_dtype: stage 2's 16-bit grad shards: ``"param"`` (``"auto"``) or ``"fp32"`` (_stage2/reducer.py).
         state_dict_params: ``"all"`` (default) or ``"trainable"``: state dicts list only params that require grad.
         **defaults: hyperparameters for ``optimizer_class``.
 

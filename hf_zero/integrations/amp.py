@@ -6,7 +6,7 @@ reading ``p.grad``, in one method, ``_unscale_grads_``: ``unscale_`` (and so ``s
 without an explicit ``unscale_``) calls it, and ``step`` (skip on inf) and ``update``
 (back off or grow the scale) read the found-inf record it returns. Under stage 2 ``p.grad``
 only stands in for the sharded grads after the backward (a NaN expanded to the param's
-shape: [Note: p.grad stands in for the shards] in _stage2.py), so the scaler's in-place
+shape: [Note: p.grad stands in for the shards] in _stage2/stand_ins.py), so the scaler's in-place
 unscale of it raises ("more than one element of the written-to tensor refers to a single
 memory location"); the grads it must unscale are the shards.
 
