@@ -57,12 +57,16 @@ READS = ("item", "__bool__", "__int__", "__float__", "tolist", "numpy")
 @dataclass(frozen=True)
 class Options:
     """How a loop trains: micro-batches per step (all but the last under ``no_sync()``), clipping to a max norm,
-    the model's dtype (bf16: hf_zero steps through fp32 masters), the overlapped parameter sync (stage 1 and 2)."""
+    the model's dtype (bf16: hf_zero steps through fp32 masters), the overlapped parameter sync (stage 1 and 2),
+    a ``BatchNorm1d`` last (its buffers are broadcast from rank 0 each step), stage 1's non-finite agreement (as
+    with a GradScaler)."""
 
     accumulation: int = 1
     clip: float | None = None
     dtype: str = "float32"
     overlap: bool = False
+    norm: bool = False
+    grad_scaler: bool = False
 
 
 class HostReadCounter:
@@ -115,7 +119,7 @@ def _caller() -> str:
            f":{f.f_lineno} ({f.f_code.co_name})"
 
 
-def build_model(shape: str, dtype: str = "float32"):
+def build_model(shape: str, dtype: str = "float32", norm: bool = False):
     import torch
 
     blocks, width = SHAPES[shape]
@@ -123,6 +127,8 @@ def build_model(shape: str, dtype: str = "float32"):
     layers = []
     for _ in range(blocks):
         layers += [torch.nn.Linear(width, width), torch.nn.LayerNorm(width)]
+    if norm:
+        layers.append(torch.nn.BatchNorm1d(width))
     return torch.nn.Sequential(*layers).to(getattr(torch, dtype))
 
 
@@ -133,7 +139,7 @@ def build(name: str, shape: str, opts: Options):
 
     from hf_zero import ZeroBucketOptimizer
 
-    model = build_model(shape, opts.dtype)
+    model = build_model(shape, opts.dtype, opts.norm)
     if name == "stage2":
         opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, lr=LR, fused=True, stage=2,
                                   overlap_param_sync=opts.overlap)
@@ -144,7 +150,7 @@ def build(name: str, shape: str, opts: Options):
         return ddp, torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, lr=LR, fused=True,
                               grad_reduce="reduce_scatter", overlap_param_sync=opts.overlap)
-    opt.bind_ddp(ddp, grad_scaler=False)  # no GradScaler in these loops: nothing skips a step
+    opt.bind_ddp(ddp, grad_scaler=opts.grad_scaler)  # no GradScaler in these loops: nothing skips a step
     return ddp, opt
 
 
@@ -181,30 +187,37 @@ def drain(opt) -> None:
         wait()
 
 
-def counted_rank(rank: int, world_size: int, name: str, shape: str, opts: Options) -> dict:
-    """Reads and collectives per steady step of contender ``name`` (steps :data:`STEADY`), with where each read
-    came from, and the params after the last step."""
+def counted_rank(rank: int, world_size: int, cases: dict) -> dict:
+    """For each case (name -> (contender, shape, Options)): per steady step (:data:`STEADY`) the host reads, with
+    where each came from, and the collectives; and the params after the last step."""
     import torch
 
-    torch.manual_seed(0)
     reads, collectives = HostReadCounter(), CollectiveCounter()
+    out = {}
     try:
-        net, opt = build(name, shape, opts)
-        data = batches(shape, opts.dtype, rank)
-        per_step = []
-        for k in range(STEADY.stop):
-            if k in STEADY:
-                with reads.recording(), collectives.recording():
+        for case, (name, shape, opts) in cases.items():
+            torch.manual_seed(0)
+            net, opt = build(name, shape, opts)
+            data = batches(shape, opts.dtype, rank)
+            per_step = []
+            for k in range(STEADY.stop):
+                if k in STEADY:
+                    with reads.recording(), collectives.recording():
+                        iteration(net, opt, data, k, opts)
+                    per_step.append({"reads": list(reads.calls), "collectives": [c[0] for c in collectives.calls]})
+                else:
                     iteration(net, opt, data, k, opts)
-                per_step.append({"reads": list(reads.calls), "collectives": [c[0] for c in collectives.calls]})
-            else:
-                iteration(net, opt, data, k, opts)
-        drain(opt)
-        module = getattr(net, "module", net)
-        return {"steps": per_step, "params": [p.detach().clone() for p in module.parameters()]}
+            drain(opt)
+            module = getattr(net, "module", net)
+            layout = getattr(getattr(opt, "gradient_path", None), "layout", None)
+            out[case] = {"steps": per_step, "params": [p.detach().clone() for p in module.parameters()],
+                         "buffers": None if layout is None else len(layout.buffers)}
+            if hasattr(opt, "unbind"):
+                opt.unbind()
     finally:
         reads.uninstall()
         collectives.uninstall()
+    return out
 
 
 def timed_rank(rank: int, world_size: int, cfg: dict) -> dict:
@@ -280,14 +293,12 @@ def analyse(per_rank: list[dict], cfg: dict) -> dict:
 
 
 def counts(shape: str, opts: Options, world_size: int = 2) -> dict:
-    """Host reads and collectives per steady step of each contender (the largest over ranks and steps)."""
-    out = {}
-    for name in CONTENDERS:
-        per_rank = run_ranks(counted_rank, world_size, name, shape, opts, timeout=120)
-        out[name] = {"reads": max(len(s["reads"]) for r in per_rank for s in r["steps"]),
-                     "collectives": max(len(s["collectives"]) for r in per_rank for s in r["steps"]),
-                     "where": sorted({w for r in per_rank for s in r["steps"] for _, w in s["reads"]})}
-    return out
+    """Host reads and collectives per steady step of each contender (the most over ranks and steps)."""
+    per_rank = run_ranks(counted_rank, world_size, {name: (name, shape, opts) for name in CONTENDERS}, timeout=300)
+    return {name: {"reads": max(len(s["reads"]) for r in per_rank for s in r[name]["steps"]),
+                   "collectives": max(len(s["collectives"]) for r in per_rank for s in r[name]["steps"]),
+                   "where": sorted({w for r in per_rank for s in r[name]["steps"] for _, w in s["reads"]})}
+            for name in CONTENDERS}
 
 
 TARGETS = {"stage1": {"48": 1.30, "384": 1.15}, "stage2": {"48": 1.50, "384": 1.30}}

@@ -395,16 +395,18 @@ class Comm:
             self._blocking(what, dist.all_reduce, tensor, op=red)
         return tensor
 
-    def broadcast_(self, tensors: Sequence[torch.Tensor], *, src: int = 0, what: str) -> None:
-        """Give every rank rank ``src``'s values of ``tensors`` (written in place, one
-        broadcast each, in order)."""
-        if self.world_size == 1:
+    def broadcast_coalesced_(self, tensors: Sequence[torch.Tensor], *, src: int = 0, what: str) -> None:
+        """Give every rank rank ``src``'s values of ``tensors`` (written in place) in as few collectives as their
+        bytes allow (one up to 250 MiB), as DDP broadcasts its module's buffers and, at construction, its params
+        (torch's ``_broadcast_coalesced``: the tensors flattened per dtype and device, sent, copied back)."""
+        if self.world_size == 1 or not tensors:
             return
-        for t in tensors:
-            staged = t if t.is_contiguous() else t.contiguous()
-            self._blocking(what, dist.broadcast, staged, src=self._globals[src])
-            if staged is not t:
-                t.copy_(staged)
+        staged = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        with _named(what, self.rank):
+            dist._broadcast_coalesced(self.process_group, staged, _COALESCED_BYTES, self._globals[src])
+        for t, s in zip(tensors, staged):
+            if s is not t:
+                t.copy_(s)
 
     # -- agreement ----------------------------------------------------------------
     def agree(self, fingerprint: int, flag: bool = False) -> tuple[bool, bool]:
@@ -412,9 +414,10 @@ class Comm:
         agreement = self.start_agreement(fingerprint, flag)
         return agreement.same, agreement.anyone
 
-    def start_agreement(self, fingerprint: int, flag: bool) -> "Agreement":
-        """Start comparing ``fingerprint`` and ``flag`` across ranks; read the :class:`Agreement` when it is due."""
-        return Agreement(self, fingerprint, flag)
+    def start_agreement(self, fingerprint: int, flag: bool, payload: torch.Tensor | None = None) -> "Agreement":
+        """Start comparing ``fingerprint`` and ``flag`` across ranks, a ``payload`` (int64, 1-D) MAX-reduced along;
+        read the :class:`Agreement` when it is due."""
+        return Agreement(self, fingerprint, flag, payload)
 
     def all_gather_object(self, obj: Any) -> list:
         """Small metadata only (rebuilds, errors): pickled."""
@@ -461,11 +464,12 @@ class Agreement:
     memory reads, which nothing queued can delay (a read of a ``torch.Tensor``'s value is what
     tests/test_hostpath.py counts: on an accelerator, each one waits)."""
 
-    def __init__(self, comm: Comm, fingerprint: int, flag: bool):
+    def __init__(self, comm: Comm, fingerprint: int, flag: bool, payload: torch.Tensor | None = None):
         self._values: tuple[int, ...] | None = None
         self._event = None
         self._cpu = comm.device.type == "cpu"
         values = (fingerprint, -fingerprint, int(flag), -int(flag))
+        self._payload, self._tensor = payload, None
         if comm.world_size == 1:
             self._values = values
             return
@@ -474,20 +478,30 @@ class Agreement:
         comm._last_agreement = self
         host, view = _host_slot(comm, 0)
         view[:] = values
-        if comm.device.type == "cpu":
-            self._tensor, self._host, self._view = host, host, view
+        if self._cpu:
+            self._tensor = host if payload is None else torch.cat([host, payload])
+            self._host = self._tensor
+            self._view = view if payload is None else (ctypes.c_int64 * 4).from_address(self._tensor.data_ptr())
         else:
-            self._tensor = host.to(comm.device, non_blocking=True)
+            head = host.to(comm.device, non_blocking=True)
+            self._tensor = head if payload is None else torch.cat([head, payload])
             self._host, self._view = _host_slot(comm, 1)
         with _named("the cross-rank layout agreement check", comm.rank):
             work = dist.all_reduce(self._tensor, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
         self._pending = comm._pending([work], "the cross-rank layout agreement check")
 
+    def payload(self) -> torch.Tensor:
+        """The ``payload`` (int64, 1-D) MAX-reduced over ranks (on the device: nothing is read on the host)."""
+        if self._tensor is None:  # world size 1
+            return self._payload
+        self._pending.wait()
+        return self._tensor[4:]
+
     def settle(self) -> None:
         """The step's collectives were waited for: on an accelerator, queue the result's copy to the host."""
         if self._values is None and not self._cpu and self._event is None:
             self._pending.wait()  # the stream waits; the host does not
-            self._host.copy_(self._tensor, non_blocking=True)
+            self._host.copy_(self._tensor[:4], non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -526,6 +540,7 @@ def _host_slot(comm: Comm, slot: int):
     return comm._agreement_slots[slot]
 
 
+_COALESCED_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
 # Point-to-point tags, one per purpose: gloo matches messages by (peer, tag), in order.
 _TAG_GRADS = 0x68660001
 _TAG_PARAMS = 0x68660002

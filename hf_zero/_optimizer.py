@@ -267,16 +267,16 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if self._peaks.watching:
             self._peaks.observe(_memory_now(self))  # the grads whole (or sharded), before the step frees them
         self.wait_param_sync()
-        self._ensure_partition(force=False, blocking=False)
+        self._ensure_partition(force=False, blocking=False, payload=None if grads is None else grads.presence_flags())
         if self._check.mirroring:  # [Note: the layout check]: the other ranks' collectives, no update
-            self._grad.for_step(grads)
+            self._grad.for_step(grads, self._check.carried)
             self._partition.sync(self._comm, self._table.params, self._grad.overlap)
             local_loss = None
         else:
             if not self._iteration.grads_averaged:
                 self.average_unreduced_grads()
             local_loss = self._partition.step_and_sync(self.param_groups, kwargs, self._comm, self._table.params,
-                                                       self._grad.overlap, self._grad.for_step(grads))
+                                                       self._grad.overlap, self._grad.for_step(grads, self._check.carried))
         self._check.end_of_step(self._comm, self._table)
         self._iteration = _Iteration()
         self._grad.step_taken()
@@ -298,13 +298,14 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         """Rebuild on every rank if any rank's trainability changed: one 32-byte all-reduce, read at once. Collective."""
         self._ensure_partition(force=False)
 
-    def _ensure_partition(self, force: bool, blocking: bool = True) -> None:
+    def _ensure_partition(self, force: bool, blocking: bool = True, payload: torch.Tensor | None = None) -> None:
         """``blocking``: every rank reads the layout check now; else a steady step reads it late ([Note: the layout check])."""
         self._lifecycle.check_pending()
         intact = self._partition is not None and self._partition.views_intact(self._table.params)
         live, mask = self._live(), self._table.mask()
         need = force or live is None or mask != live.mask or live.layout.buckets != self._grad.wanted_buckets
-        if self._check.begin(self._comm, self._table, mask, need=need, fresh=not intact, blocking=blocking):
+        if self._check.begin(self._comm, self._table, mask, need=need, fresh=not intact, blocking=blocking,
+                             payload=payload):
             self.wait_param_sync()
             self._rebuild()
         elif not intact and not self._check.mirroring:  # storage replaced, the same params: this rank alone re-views

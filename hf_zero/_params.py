@@ -186,16 +186,19 @@ class LayoutCheck:
         self._late = None  # (the Agreement of the last step not read yet, whether this rank needed)
         self._agreed: int | None = None  # the fingerprint the ranks last agreed on
         self.mirroring = False  # this rank found the ranks disagreeing: see the note
+        self.carried = None  # the last begin's payload, reduced: a callable
 
     def begin(self, comm, table: ParamTable, mask: tuple[bool, ...], *, need: bool, fresh: bool,
-              blocking: bool) -> bool:
+              blocking: bool, payload=None) -> bool:
         """Start this step's check; returns whether every rank re-partitions now. ``need``: this rank must
-        (before the fingerprint is compared); ``blocking``: every rank reads now (not a step: ``ensure_partition``).
+        (before the fingerprint is compared); ``blocking``: every rank reads now (not a step: ``ensure_partition``);
+        ``mask``: ``table.mask()``; ``payload``: an int64 tensor MAX-reduced along (:attr:`carried` gives it).
         Collective."""
         self.read_late(comm, table)
-        fp = table.fingerprint(table.mask(), fresh=fresh)
+        fp = table.fingerprint(mask, fresh=fresh)
         need = need or fp != self._agreed
-        agreement = comm.start_agreement(fp, need)
+        agreement = comm.start_agreement(fp, need, payload)
+        self.carried = None if payload is None else agreement.payload
         if not (need or blocking):
             self._late = (agreement, False)
             return False

@@ -1,0 +1,89 @@
+"""A steady step reads no tensor value on the host and makes DDP's collectives: the reduce buckets and the
+parameter sync, plus one control all-reduce (the layout check, carrying stage 2's presence flags).
+
+On an accelerator every host read (``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``, ``.tolist()``,
+``.numpy()``) waits for all queued work. benchmarks/hostpath.py counts them by wrapping those ``torch.Tensor``
+methods over steps 4-8 on 2 gloo ranks, torch's own Python calls included (DDP + fused AdamW and torch's
+``clip_grad_norm_`` make none: the control), and counts the collectives with the benchmarks' counter. The
+layout check's result is read through a view of host memory once the collective has completed
+([Note: reading an agreement late] in hf_zero/_comm.py), which nothing queued can delay.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from benchmarks.hostpath import CONTENDERS, Options, counted_rank
+from tests._dist import run_ranks
+from tests.models import assert_replicas_identical
+
+OPTIONS = {
+    "plain": Options(),
+    "accumulation-clip": Options(accumulation=2, clip=1.0),
+    "bf16-masters-overlap-clip": Options(dtype="bfloat16", overlap=True, clip=1.0),
+    "buffers": Options(norm=True),
+}
+CASES = {f"{name}/{label}": (name, "48", opts) for name in CONTENDERS for label, opts in OPTIONS.items()}
+CASES["stage1/non-finite-agreement"] = ("stage1", "48", Options(grad_scaler=True))
+
+
+@functools.cache
+def _counted():
+    return run_ranks(counted_rank, 2, CASES, timeout=400)
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("case", CASES)
+def test_a_steady_step_reads_nothing_on_the_host(case):
+    per_rank = _counted()
+    for rank, result in enumerate(per_rank):
+        for k, step in enumerate(result[case]["steps"]):
+            assert step["reads"] == [], f"rank {rank}, steady step {k}: {step['reads']}"
+    assert_replicas_identical([r[case]["params"] for r in per_rank])
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("ddp/")])
+def test_a_steady_step_makes_ddps_collectives_and_one_control_all_reduce(case):
+    name, _, opts = CASES[case]
+    per_rank = _counted()
+    for rank, result in enumerate(per_rank):
+        buffers = result[case]["buffers"]
+        for k, step in enumerate(result[case]["steps"]):
+            calls = step["collectives"]
+            # one bucket reduce-scattered and one buffer synced per layout buffer: each a send and a receive
+            assert calls.count("isend") == calls.count("irecv") == 2 * buffers, (rank, k, calls)
+            # the layout check; the norm's all-reduce with clipping; the non-finite agreement if asked for
+            assert calls.count("all_reduce") == 1 + (opts.clip is not None) + opts.grad_scaler, (rank, k, calls)
+            # the buffers: one coalesced broadcast, as DDP's
+            assert calls.count("_broadcast_coalesced") == opts.norm, (rank, k, calls)
+            assert len(calls) == 4 * buffers + calls.count("all_reduce") + opts.norm, (rank, k, calls)
+
+
+@pytest.mark.timeout(450)
+def test_ddp_broadcasts_buffers_coalesced_too():
+    """The premise of the buffers' count: DDP's own step makes one coalesced broadcast of them."""
+    per_rank = _counted()
+    for result in per_rank:
+        for step in result["ddp/buffers"]["steps"]:
+            assert step["collectives"].count("_broadcast_coalesced") == 1, step["collectives"]
+
+
+def test_the_counter_counts_every_kind_of_read():
+    """The premise: each wrapped method counts once per call, torch's own Python calls included."""
+    from benchmarks.hostpath import READS, HostReadCounter
+
+    counter = HostReadCounter()
+    try:
+        t, p = torch.ones(1), torch.nn.Parameter(torch.ones(1))
+        p.grad = torch.ones(1)
+        with counter.recording():
+            t.item(), bool(t), int(t), float(t), t.tolist(), t.numpy()
+            torch.nn.utils.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+        names = [name for name, _ in counter.calls]
+        assert names[:6] == list(READS)
+        assert len(names) > 6, "error_if_nonfinite=True reads the norm on the host: counted"
+    finally:
+        counter.uninstall()
+    assert torch.Tensor.item.__name__ == "item" and "counted" not in repr(torch.Tensor.item)
