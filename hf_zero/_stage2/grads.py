@@ -87,6 +87,7 @@ class SinceStep:
         if self.agreed is not None:
             self.agreed = self.agreed - {i}
 
+
 _FULL: list = [None]  # (key, its plan, the flags of a plan's every param): the last made
 
 
@@ -110,12 +111,14 @@ class ShardedGrads:
     of params no rank had a grad for add nothing to it, nor does scaling them change them:
     every rank's bucket slot of a grad that never came is zeroed before it is reduced): so
     the flags ride in the norm's all-reduce (:meth:`all_reduce_along`), as they do in a
-    GradScaler's inf check, and the step finds them agreed. Otherwise the step's
-    :meth:`agree` runs it alone."""
+    GradScaler's inf check, and the step finds them agreed. Otherwise they ride the step's
+    layout check ([Note: the layout check] in _params.py; :meth:`agree` with ``reduced``). A rank
+    that had a grad for every param of the plan knows the answer (all of them) and reads nothing
+    on the host; only a rank that missed one reads the reduced flags."""
 
     def __init__(self, plan: Plan, shards: list, since: SinceStep, comm: Comm, count: int):
         self.layout, self.device = plan.layout, comm.device
-        self.pieces: list[Piece] = plan.layout.pieces(comm.rank)
+        self.pieces: list[Piece] = list(plan.pieces)
         self._plan, self._shards, self._since, self._comm, self._count = plan, shards, since, comm, count
 
     def held(self, piece: Piece) -> torch.Tensor | None:
