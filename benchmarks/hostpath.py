@@ -133,25 +133,36 @@ def build_model(shape: str, dtype: str = "float32", norm: bool = False):
 
 
 def build(name: str, shape: str, opts: Options):
-    """(the callable the loop runs forward through, the optimizer) of contender ``name``; the model is fresh."""
+    """(the callable the loop runs forward through, the optimizer, the clipping function) of contender ``name``
+    (or ``accelerate/stage1``, ``accelerate/stage2``: the hf_zero optimizer prepared by Accelerate, clipped by
+    ``accelerator.clip_grad_norm_``); the model is fresh."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hf_zero import ZeroBucketOptimizer
 
     model = build_model(shape, opts.dtype, opts.norm)
+    if name.startswith("accelerate/"):
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+        opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, lr=LR, fused=True,
+                                  stage=int(name[-1]), overlap_param_sync=opts.overlap)
+        net, opt = accelerator.prepare(model, opt)
+        return net, opt, lambda: accelerator.clip_grad_norm_(net.parameters(), opts.clip)
     if name == "stage2":
         opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, lr=LR, fused=True, stage=2,
                                   overlap_param_sync=opts.overlap)
         opt.bind_module(model)
-        return model, opt
+        return model, opt, lambda: opt.clip_grad_norm_(opts.clip)
     ddp = DDP(model, gradient_as_bucket_view=True)
     if name == "ddp":
-        return ddp, torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
+        return ddp, torch.optim.AdamW(model.parameters(), lr=LR, fused=True), \
+            lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), opts.clip)
     opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, lr=LR, fused=True,
                               grad_reduce="reduce_scatter", overlap_param_sync=opts.overlap)
     opt.bind_ddp(ddp, grad_scaler=opts.grad_scaler)  # no GradScaler in these loops: nothing skips a step
-    return ddp, opt
+    return ddp, opt, lambda: opt.clip_grad_norm_(opts.clip)
 
 
 def batches(shape: str, dtype: str, rank: int, n: int = 4):
@@ -163,20 +174,19 @@ def batches(shape: str, dtype: str, rank: int, n: int = 4):
              torch.randn(BATCH, width, generator=g).to(getattr(torch, dtype))) for _ in range(n)]
 
 
-def iteration(net, opt, data, k: int, opts: Options) -> None:
-    """One optimizer step of ``opts.accumulation`` micro-batches from ``data`` (from ``k`` on)."""
+def iteration(built, data, k: int, opts: Options) -> None:
+    """One optimizer step of ``opts.accumulation`` micro-batches from ``data`` (from ``k`` on); ``built``: what
+    :func:`build` returned."""
     import torch
 
+    net, opt, clip = built
     for m in range(opts.accumulation):
         x, y = data[(k + m) % len(data)]
         last = m + 1 == opts.accumulation
         with contextlib.nullcontext() if last else net.no_sync():
             torch.nn.functional.mse_loss(net(x), y).backward()
     if opts.clip is not None:
-        if hasattr(opt, "clip_grad_norm_"):
-            opt.clip_grad_norm_(opts.clip)
-        else:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), opts.clip)
+        clip()
     opt.step()
     opt.zero_grad()
 
@@ -197,16 +207,18 @@ def counted_rank(rank: int, world_size: int, cases: dict) -> dict:
     try:
         for case, (name, shape, opts) in cases.items():
             torch.manual_seed(0)
-            net, opt = build(name, shape, opts)
+            built = build(name, shape, opts)
+            net, opt, _ = built
             data = batches(shape, opts.dtype, rank)
             per_step = []
             for k in range(STEADY.stop):
                 if k in STEADY:
                     with reads.recording(), collectives.recording():
-                        iteration(net, opt, data, k, opts)
+                        iteration(built, data, k, opts)
                     per_step.append({"reads": list(reads.calls), "collectives": [c[0] for c in collectives.calls]})
                 else:
-                    iteration(net, opt, data, k, opts)
+                    iteration(built, data, k, opts)
+            opt = getattr(opt, "optimizer", opt)  # Accelerate's wrapper
             drain(opt)
             module = getattr(net, "module", net)
             layout = getattr(getattr(opt, "gradient_path", None), "layout", None)
@@ -237,13 +249,13 @@ def timed_rank(rank: int, world_size: int, cfg: dict) -> dict:
         for _ in range(cfg["rounds"]):
             shuffle.shuffle(order)  # the same order on every rank
             for name in order:
-                net, opt = built[name]
-                iteration(net, opt, data, 0, opts)  # untimed: the last contender's wake-up
+                opt = built[name][1]
+                iteration(built[name], data, 0, opts)  # untimed: the last contender's wake-up
                 dist.barrier()
                 times = []
                 for k in range(cfg["iterations"]):
                     start = time.perf_counter()
-                    iteration(net, opt, data, k, opts)
+                    iteration(built[name], data, k, opts)
                     times.append((time.perf_counter() - start) * 1e3)
                 drain(opt)
                 # the median iteration: another process taking the core for a while moves a mean, not it
@@ -251,11 +263,11 @@ def timed_rank(rank: int, world_size: int, cfg: dict) -> dict:
         profiles = {}
         if cfg["profile"]:
             for name in CONTENDERS:
-                net, opt = built[name]
+                opt = built[name][1]
                 prof = cProfile.Profile()
                 prof.enable()
                 for k in range(cfg["iterations"]):
-                    iteration(net, opt, data, k, opts)
+                    iteration(built[name], data, k, opts)
                 drain(opt)
                 prof.disable()
                 profiles[name] = _top(prof, cfg["iterations"]) if rank == 0 else []

@@ -42,9 +42,12 @@ def grad_accumulator(param: torch.Tensor):
         return param.view_as(param).grad_fn.next_functions[0][0]
 
 
+_WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
+
+
 def will_run(node) -> bool:
     """Whether the running backward pass will execute autograd ``node``. Only inside a backward pass."""
-    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    will_execute = _WILL_EXECUTE
     if will_execute is None:
         raise RuntimeError(
             f"hf_zero: torch {torch.__version__} has no torch._C._will_engine_execute_node, which stage 2 relies on; "
