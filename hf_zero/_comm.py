@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ._engine import coalesced_broadcast
 from ._works import Pending, keep, let_go_completed, named as _named
 
 SYNC_BY = ("all_gather", "broadcast", "send_recv")
@@ -403,7 +404,7 @@ class Comm:
             return
         staged = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         with _named(what, self.rank):
-            dist._broadcast_coalesced(self.process_group, staged, _COALESCED_BYTES, self._globals[src])
+            coalesced_broadcast()(self.process_group, staged, _COALESCED_BYTES, self._globals[src])
         for t, s in zip(tensors, staged):
             if s is not t:
                 t.copy_(s)

@@ -89,9 +89,15 @@ class MemoryLedger:
 class Peaks:
     """The most bytes each category held at the moments observed since the last :meth:`reset`."""
 
-    def __init__(self):
+    def __init__(self, now=None):
         self._peak: dict[str, int] = {}
+        self._now = now  # owner -> category -> bytes now
         self.watching = False  # steps observe from the first ledger on
+
+    def observe_step(self, owner) -> None:
+        """A step's moment: observed once a ledger was asked for (counting walks every param and grad)."""
+        if self.watching:
+            self.observe(self._now(owner))
 
     def observe(self, now: dict) -> dict:
         """Fold ``now`` (category -> bytes) in; the peaks so far."""

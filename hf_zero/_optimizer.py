@@ -194,7 +194,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._lifecycle = StateLifecycle()
         self._check = LayoutCheck()  # [Note: the layout check]
         self._iteration = _Iteration()
-        self._peaks = Peaks()  # [Note: memory ledger]
+        self._peaks = Peaks(_memory_now)  # [Note: memory ledger]
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
                                   shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view,
                                   accumulate_dtype=accumulate)
@@ -264,25 +264,15 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         elif closure is not None:
             kwargs = {"closure": closure, **kwargs}
         grads = self._grad.sharded_grads()  # checked before any collective: [Note: a forward without its backward]
-        if self._peaks.watching:
-            self._peaks.observe(_memory_now(self))  # the grads whole (or sharded), before the step frees them
+        self._peaks.observe_step(self)  # the grads whole (or sharded), before the step frees them
         self.wait_param_sync()
         self._ensure_partition(force=False, blocking=False, payload=None if grads is None else grads.presence_flags())
-        if self._check.mirroring:  # [Note: the layout check]: the other ranks' collectives, no update
-            self._grad.for_step(grads, self._check.carried)
-            self._partition.sync(self._comm, self._table.params, self._grad.overlap)
-            local_loss = None
-        else:
-            if not self._iteration.grads_averaged:
-                self.average_unreduced_grads()
-            local_loss = self._partition.step_and_sync(self.param_groups, kwargs, self._comm, self._table.params,
-                                                       self._grad.overlap, self._grad.for_step(grads, self._check.carried))
+        local_loss = _step_pieces(self, kwargs, grads)
         self._check.end_of_step(self._comm, self._table)
         self._iteration = _Iteration()
         self._grad.step_taken()
         self._lifecycle.stepped()
-        if self._peaks.watching:
-            self._peaks.observe(_memory_now(self))
+        self._peaks.observe_step(self)
         return loss if loss is not None else local_loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -311,11 +301,6 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         elif not intact and not self._check.mirroring:  # storage replaced, the same params: this rank alone re-views
             self.wait_param_sync()
             self._rebuild()
-
-    def _check_agreement(self) -> None:
-        """Before a checkpoint collective: raise on every rank unless all hold the same params. Collective."""
-        self._check.read_late(self._comm, self._table)
-        self._table.check_agreement(self._comm)
 
     def _rebuild(self) -> None:
         self._table.check_materialized()
@@ -464,7 +449,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"to must be a rank in [0, {self._comm.world_size}), got {to}")
         self._lifecycle.check_pending()
-        self._check_agreement()
+        _check_agreement(self)
         self._lifecycle.consolidated(_lifecycle.consolidate(self._comm, self._table, self._holdings(), to, device))
 
     def state_dict(self) -> dict:
@@ -507,14 +492,14 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def save_sharded(self, path: str | os.PathLike) -> None:
         """Write a sharded checkpoint to directory ``path`` (its own, seen by all ranks), each rank its own state, no
         gather; atomic. Collective. Format: :mod:`hf_zero._sharded`."""
-        self._check_agreement()
+        _check_agreement(self)
         self._lifecycle.check_pending()
         _lifecycle.write_sharded(self, self._comm, self._table, self._holdings(), path)
 
     def load_sharded(self, path: str | os.PathLike) -> None:
         """Load a sharded checkpoint of any world size and shard mode, each rank reading the ranges it will own.
         Collective. Another model's or optimizer class's raises ``ValueError`` listing the mismatches; nothing changes."""
-        self._check_agreement()
+        _check_agreement(self)
         groups, held, has_state = _lifecycle.read_sharded(self, self._comm, self._table, path)
         self._adopt_loaded(groups, held, has_state=has_state)
 
@@ -542,6 +527,25 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if found is not None:
             self.load_sharded(found)
         return found
+
+
+def _step_pieces(opt: ZeroBucketOptimizer, kwargs: dict, grads) -> Any:
+    """The local step and the parameter sync; a rank that is mirroring ([Note: the layout check]) takes the
+    step's collectives only."""
+    if opt._check.mirroring:
+        opt._grad.for_step(grads, opt._check.carried)
+        opt._partition.sync(opt._comm, opt._table.params, opt._grad.overlap)
+        return None
+    if not opt._iteration.grads_averaged:
+        opt.average_unreduced_grads()
+    return opt._partition.step_and_sync(opt.param_groups, kwargs, opt._comm, opt._table.params, opt._grad.overlap,
+                                        opt._grad.for_step(grads, opt._check.carried))
+
+
+def _check_agreement(opt: ZeroBucketOptimizer) -> None:
+    """Before a checkpoint collective: raise on every rank unless all hold the same params. Collective."""
+    opt._check.read_late(opt._comm, opt._table)
+    opt._table.check_agreement(opt._comm)
 
 
 def _ledger_of(opt: ZeroBucketOptimizer, reset_peaks: bool) -> MemoryLedger:

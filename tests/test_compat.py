@@ -47,6 +47,8 @@ def test_unversioned_shims_find_what_they_rely_on(tmp_path):
 
     assert hasattr(torch.autograd.Variable._execution_engine, "queue_callback")  # hf_zero/_engine.py
     assert callable(torch._C._will_engine_execute_node)  # hf_zero/_engine.py (stage 2)
+    assert torch._C._autograd._profiler_enabled() is False  # hf_zero/_engine.py (the step's labels)
+    assert callable(torch.distributed._broadcast_coalesced)  # hf_zero/_engine.py (stage 2's buffers)
     assert callable(torch._C._current_graph_task_id) and callable(torch._C._current_autograd_node)  # stage 2
     for name in ("prepare_model", "prepare_optimizer"):
         assert callable(getattr(Accelerator, name)), name

@@ -230,8 +230,7 @@ class Reducer:
         return self._current_plan().layout.buckets
 
     def _current_plan(self) -> Plan:
-        table = self._table()
-        # what the specs follow, read without making them: a steady step's (a ParamSpec per param, 3 times a step)
+        table = self._table()  # the quick key: what the specs follow, read without making a ParamSpec per param
         quick = (table, table.mask(), tuple(map(_DATA_PTR, table.params)), tuple(map(_NUMEL, table.params)),
                  self.cap_bytes)
         if self._plan_quick is not None and self._plan_quick[1] is self._plan_key and quick == self._plan_quick[0]:
