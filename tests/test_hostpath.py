@@ -99,3 +99,20 @@ def test_the_counter_counts_every_kind_of_read():
     finally:
         counter.uninstall()
     assert torch.Tensor.item.__name__ == "item" and "counted" not in repr(torch.Tensor.item)
+
+
+@pytest.mark.timeout(300)
+def test_under_trainer_a_step_reads_what_trainers_default_reads(tmp_path):
+    """Trainer reads the loss on the host itself (it logs every step here): stage 1 and stage 2 read nothing more
+    than Trainer with its default optimizer, ``adamw_torch_fused``, in steps 4-7 (clipping at 0.5, as Trainer does)."""
+    from tests.hf_trainer_cases import run_many
+
+    runs = [("run_trainer", dict(output_dir=str(tmp_path / optim), optim=optim, optim_args=optim_args,
+                                 count_reads=True, user_callbacks=False))
+            for optim, optim_args in (("adamw_torch_fused", None), ("zero_bucket", None), ("zero_bucket", "stage=2"))]
+    for rank, (default, stage1, stage2) in enumerate(run_ranks(run_many, 2, runs, timeout=280)):
+        assert stage1[2]["stage"] == 1 and stage2[2]["stage"] == 2
+        baseline = [sorted(where for _, where in step) for step in default[2]["reads"]]
+        assert len(baseline) == 4
+        for info in (stage1[2], stage2[2]):
+            assert [sorted(where for _, where in step) for step in info["reads"]] == baseline, (rank, info["reads"])
