@@ -306,7 +306,8 @@ class Reducer:
         if i in self._pending:
             self._pending.discard(i)
             self._left[where[0]] -= 1
-            self._launch_ready()
+            if where[0] == self._next and not self._left[where[0]]:  # the next bucket is complete
+                self._launch_ready()
 
     def _begin(self, root) -> None:
         self.settle(clear=True)
