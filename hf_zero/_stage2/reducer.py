@@ -231,8 +231,7 @@ class Reducer:
 
     def _current_plan(self) -> Plan:
         table = self._table()  # the quick key: what the specs follow, read without making a ParamSpec per param
-        quick = (table, table.mask(), tuple(map(_DATA_PTR, table.params)), tuple(map(_NUMEL, table.params)),
-                 self.cap_bytes)
+        quick = (table, table.mask(), tuple(map(_DATA_PTR, table.params)), tuple(map(_NUMEL, table.params)))
         if self._plan_quick is not None and self._plan_quick[1] is self._plan_key and quick == self._plan_quick[0]:
             return self._plan
         specs = table.specs()
