@@ -434,7 +434,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     def memory_ledger(self, *, reset_peaks: bool = False) -> MemoryLedger:
         """The bytes hf_zero holds on this rank now, by holder, with each one's peak since the last reset
-        ([Note: memory ledger] in ``_ledger.py``); ``reset_peaks``: start the peaks afresh after. Not a collective."""
+        ([Note: memory ledger] in ``_ledger.py``: steps are observed from the first call on, so call it once early
+        to have peaks cover the run); ``reset_peaks``: start the peaks afresh after. Not a collective."""
         return _ledger_of(self, reset_peaks)
 
     # -- state dict ------------------------------------------------------------------
