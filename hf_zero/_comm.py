@@ -454,9 +454,8 @@ class Agreement:
     Reading a collective's result on the host waits for everything queued before it: on an accelerator, the
     whole step's kernels. So a steady step does not read its agreement where it starts it:
 
-    - tensors on the CPU (gloo): :meth:`due` is true once the step's own collectives were waited for, at the
-      end of the step; by then the all-reduce, started before them, has completed on every rank, and reading
-      it waits for nothing;
+    - on the CPU (gloo): at the end of the step, once the step's own collectives were waited for; by then the
+      all-reduce, started before them, has completed on every rank, and reading it waits for nothing;
     - an accelerator: :meth:`settle` (at the end of the step) queues a copy of the result into pinned host
       memory behind the all-reduce and records an event; the result is read at the start of the next step,
       after that event, which completed long before.
@@ -481,7 +480,6 @@ class Agreement:
         view[:] = values
         if self._cpu:
             self._tensor = host if payload is None else torch.cat([host, payload])
-            self._host = self._tensor
             self._view = view if payload is None else (ctypes.c_int64 * 4).from_address(self._tensor.data_ptr())
         else:
             head = host.to(comm.device, non_blocking=True)
