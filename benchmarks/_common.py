@@ -55,7 +55,7 @@ COLLECTIVES = (
     "broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "all_gather_object",
     "all_to_all", "all_to_all_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
     "reduce", "gather", "scatter", "gather_object", "scatter_object_list", "broadcast_object_list",
-    "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "_broadcast_coalesced",
 )
 _ARG = {"all_gather_into_tensor": (1, "input_tensor"), "all_gather_single": (1, "input_tensor"),
         "all_to_all_single": (1, "input"), "reduce_scatter_tensor": (1, "input"), "reduce_scatter_single": (1, "input")}
@@ -70,6 +70,9 @@ def wire_bytes(name: str, args: tuple, kwargs: dict) -> tuple[int, float]:
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
+    if name == "_broadcast_coalesced":  # (group, tensors, buffer size, src): a pipelined broadcast of them all
+        nbytes = sum(t.nbytes for t in args[1])
+        return nbytes, nbytes * (world - 1) / world
     i, key = _ARG.get(name, (0, "tensor"))
     t = args[i] if len(args) > i else kwargs.get(key)
     if not isinstance(t, torch.Tensor):

@@ -478,6 +478,8 @@ def _raw_train(rank: int, row: tuple, *, spec: dict, steps: int, seq: int, batch
     grad_bytes = sum(p.numel() * (2 if dtype == "bfloat16" else 4) for p in model.parameters() if p.requires_grad)
     largest_grad_bytes = max(p.numel() * (2 if dtype == "bfloat16" else 4) for p in model.parameters())
     module, opt, clip, reducer = _raw_contender(kind, model, dtype)
+    if kind in HF_ZERO:
+        opt.memory_ledger()  # from here on every step is observed: the peaks read at the end cover the run
     g = torch.Generator().manual_seed(rank)
     toks = torch.randint(0, spec["vocab_size"], (steps * accumulation, batch, seq), generator=g)
     counted: dict = {}

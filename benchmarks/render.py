@@ -36,6 +36,7 @@ RESULTS = {
     "memory_checkpoints": ("memory_checkpoints_n2",),
     # GPU runs of python -m benchmarks.gpu_bench, as many as are published (none: the section says so)
     "gpu": tuple(sorted(p.stem for p in RESULTS_DIR.glob("gpu_*.json"))),
+    "host_time": ("hostpath_n2",),
 }
 
 MIB = 2**20
@@ -135,6 +136,58 @@ def raw_time_bytes() -> list[str]:
         by = res["bytes"][name]
         out.append(f"| {label} | {times} | {by['wire_bytes_per_rank'][0] / MIB:.1f} | {by['wire_over_ddp']:.3f} |")
     return out + ["", "Produced by:", ""] + provenance(res) + [""]
+
+
+_HOST_NAMES = {"ddp": "DDP + fused AdamW (baseline)", "stage1": "hf_zero stage 1", "stage2": "hf_zero stage 2"}
+
+
+def _tensors(shape: str) -> str:
+    count, _, width = shape.partition("-H")
+    return f"{count} tensors" + (f", H={width}" if width else ", H=64")
+
+
+def host_time() -> list[str]:
+    (res,) = [load(s) for s in RESULTS["host_time"]]
+    cfg, shapes = res["config"], res["shapes"]
+    out = [
+        "## Host time per iteration, tiny compute",
+        "",
+        f"{cfg['model']}, batch {cfg['batch']}, {cfg['world_size']} ranks, {cfg['rounds']} paired rounds of "
+        f"{cfg['iterations']} iterations (the median iteration of each). With so little arithmetic an iteration is "
+        "mostly what the host does: Python, launches, the collectives' latency. Each cell: the median over rounds, "
+        "ms, and the ratio to DDP + fused AdamW in the same round, median [min, max]. Where the time goes: "
+        "[The hot path](hot_path.md).",
+        "",
+        "| model | " + " | ".join(_HOST_NAMES.values()) + " |",
+        "|---|" + "---|" * len(_HOST_NAMES),
+    ]
+    for shape, t in shapes.items():
+        cells = [f"{t['rows'][n]['ms_median']:.2f} ms" + ("" if n == "ddp" else f", {spread(t['rows'][n])}")
+                 for n in _HOST_NAMES]
+        out.append(f"| {_tensors(shape)} | " + " | ".join(cells) + " |")
+    targets = "; ".join(f"{_HOST_NAMES[n]} {', '.join(f'{r:.2f}x at {_tensors(s)}' for s, r in t.items())}"
+                        for n, t in res["targets"].items())
+    out += ["", f"Targets: {targets}.", ""]
+    counts = res["counts"]
+    out += [f"Per steady step (steps {cfg['steady_steps'][0]}-{cfg['steady_steps'][-1]}, {_tensors(cfg['shapes'][0])}): "
+            "host reads of a tensor value (`.item()`, `bool()`, `int()`, `float()`, `.tolist()`, `.numpy()`) and "
+            "collectives hf_zero or torch start from Python (DDP's own all-reduce runs in C++, uncounted):", "",
+            "| | " + " | ".join(_HOST_NAMES.values()) + " |", "|---|" + "---|" * len(_HOST_NAMES),
+            "| host reads | " + " | ".join(str(counts[n]["reads"]) for n in _HOST_NAMES) + " |",
+            "| collectives | " + " | ".join(str(counts[n]["collectives"]) for n in _HOST_NAMES) + " |", ""]
+    profiled = [s for s, t in shapes.items() if t["profiles"]]
+    if profiled:
+        shape = max(profiled, key=lambda s: int(s.partition("-")[0]))  # the most tensors: where per-tensor work shows
+        out += [f"Profile, {_tensors(shape)}, rank 0 (cProfile, which slows Python several times: compare rows, not "
+                "with the times above): hf_zero's functions with the most own time, microseconds per iteration.", "",
+                "| | function | calls | own µs | with callees µs |", "|---|---|---|---|---|"]
+        for name in ("stage1", "stage2"):
+            rows = [r for r in shapes[shape]["profiles"][name] if r["function"].startswith("hf_zero/")][:6]
+            for r in rows:
+                out.append(f"| {_HOST_NAMES[name]} | `{r['function']}` | {r['calls']:.0f} | {r['own_us']:.0f} | "
+                           f"{r['total_us']:.0f} |")
+        out.append("")
+    return out + ["Produced by:", ""] + provenance(res) + [""]
 
 
 _MEM_ROWS = {
@@ -414,6 +467,7 @@ python -m benchmarks.e2e --trainer-only --trainer-rounds 8 --find-unused trainer
 python -m benchmarks.memory --raw --world-size 4 --out bench_out/m                                   # plain-loop memory
 python -m benchmarks.memory --rows raw_ddp_adamw raw_stage2 --small --out bench_out/s                # minutes: a small GPT-2
 python -m benchmarks.e2e --smoke                                                                    # seconds: does it run
+python -m benchmarks.hostpath --profile                                                              # host time, tiny compute
 ```
 
 Each run writes its JSON to `--out` (`e2e.json`, `results.json`). To publish a result, copy it
@@ -427,7 +481,7 @@ list every row and option.
 
 def page() -> str:
     parts = [INTRO.format(gpu=gpu_status())]
-    for table in (trainer_time, memory_raw, memory_at_peak, memory_trainer, raw_time_bytes, memory_accumulation,
+    for table in (trainer_time, memory_raw, memory_at_peak, memory_trainer, raw_time_bytes, host_time, memory_accumulation,
                   memory_checkpoints, gpu):
         parts.append("\n".join(table()))
     parts.append(REPRODUCE)

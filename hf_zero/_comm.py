@@ -6,6 +6,7 @@ must call it with arguments of the same shape, in the same order.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -13,6 +14,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ._engine import coalesced_broadcast
 from ._works import Pending, keep, let_go_completed, named as _named
 
 SYNC_BY = ("all_gather", "broadcast", "send_recv")
@@ -57,6 +59,8 @@ class Comm:
         self.group = process_group
         self.enabled = dist.is_available() and dist.is_initialized()
         self._scratch = _Scratch()  # the reduce-scatters' receive scratch
+        self._agreement_slots: dict = {}  # see Agreement
+        self._last_agreement: Agreement | None = None
         if not self.enabled:
             if process_group is not None:
                 raise ValueError("process_group was given but torch.distributed is not initialized")
@@ -392,28 +396,29 @@ class Comm:
             self._blocking(what, dist.all_reduce, tensor, op=red)
         return tensor
 
-    def broadcast_(self, tensors: Sequence[torch.Tensor], *, src: int = 0, what: str) -> None:
-        """Give every rank rank ``src``'s values of ``tensors`` (written in place, one
-        broadcast each, in order)."""
-        if self.world_size == 1:
+    def broadcast_coalesced_(self, tensors: Sequence[torch.Tensor], *, src: int = 0, what: str) -> None:
+        """Give every rank rank ``src``'s values of ``tensors`` (written in place) in as few collectives as their
+        bytes allow (one up to 250 MiB), as DDP broadcasts its module's buffers and, at construction, its params
+        (torch's ``_broadcast_coalesced``: the tensors flattened per dtype and device, sent, copied back)."""
+        if self.world_size == 1 or not tensors:
             return
-        for t in tensors:
-            staged = t if t.is_contiguous() else t.contiguous()
-            self._blocking(what, dist.broadcast, staged, src=self._globals[src])
-            if staged is not t:
-                t.copy_(staged)
+        staged = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        with _named(what, self.rank):
+            coalesced_broadcast()(self.process_group, staged, _COALESCED_BYTES, self._globals[src])
+        for t, s in zip(tensors, staged):
+            if s is not t:
+                t.copy_(s)
 
     # -- agreement ----------------------------------------------------------------
     def agree(self, fingerprint: int, flag: bool = False) -> tuple[bool, bool]:
-        """(every rank passed the same 62-bit ``fingerprint``, some rank passed ``flag``).
+        """(every rank passed the same 62-bit ``fingerprint``, some rank passed ``flag``), at once."""
+        agreement = self.start_agreement(fingerprint, flag)
+        return agreement.same, agreement.anyone
 
-        One all-reduce of three int64s: max of x, of -x and of the flag.
-        """
-        if self.world_size == 1:
-            return True, flag
-        t = torch.tensor([fingerprint, -fingerprint, int(flag)], dtype=torch.int64, device=self.device)
-        self._blocking("the cross-rank layout agreement check", dist.all_reduce, t, op=dist.ReduceOp.MAX)
-        return int(t[0]) == -int(t[1]), bool(t[2])
+    def start_agreement(self, fingerprint: int, flag: bool, payload: torch.Tensor | None = None) -> "Agreement":
+        """Start comparing ``fingerprint`` and ``flag`` across ranks, a ``payload`` (int64, 1-D) MAX-reduced along;
+        read the :class:`Agreement` when it is due."""
+        return Agreement(self, fingerprint, flag, payload)
 
     def all_gather_object(self, obj: Any) -> list:
         """Small metadata only (rebuilds, errors): pickled."""
@@ -441,6 +446,100 @@ class Comm:
             self._blocking("a barrier", dist.barrier)
 
 
+class Agreement:
+    """A comparison of a 62-bit fingerprint and a flag across ranks: one MAX all-reduce of four int64s
+    (x, -x, the flag, -the flag), started when made, read with :attr:`same`, :attr:`anyone`, :attr:`everyone`.
+
+    [Note: reading an agreement late]
+    Reading a collective's result on the host waits for everything queued before it: on an accelerator, the
+    whole step's kernels. So a steady step does not read its agreement where it starts it:
+
+    - on the CPU (gloo): at the end of the step, once the step's own collectives were waited for; by then the
+      all-reduce, started before them, has completed on every rank, and reading it waits for nothing;
+    - an accelerator: :meth:`settle` (at the end of the step) queues a copy of the result into pinned host
+      memory behind the all-reduce and records an event; the result is read at the start of the next step,
+      after that event, which completed long before.
+
+    The values are read through a ``ctypes`` view of the host memory, made once per buffer: its reads are plain
+    memory reads, which nothing queued can delay (a read of a ``torch.Tensor``'s value is what
+    tests/test_hostpath.py counts: on an accelerator, each one waits)."""
+
+    def __init__(self, comm: Comm, fingerprint: int, flag: bool, payload: torch.Tensor | None = None):
+        self._values: tuple[int, ...] | None = None
+        self._event = None
+        self._cpu = comm.device.type == "cpu"
+        values = (fingerprint, -fingerprint, int(flag), -int(flag))
+        self._payload, self._tensor = payload, None
+        if comm.world_size == 1:
+            self._values = values
+            return
+        if comm._last_agreement is not None:  # its slots are reused: its result is read first
+            comm._last_agreement._read()
+        comm._last_agreement = self
+        host, view = _host_slot(comm, 0)
+        view[:] = values
+        if self._cpu:
+            self._tensor = host if payload is None else torch.cat([host, payload])
+            self._view = view if payload is None else (ctypes.c_int64 * 4).from_address(self._tensor.data_ptr())
+        else:
+            head = host.to(comm.device, non_blocking=True)
+            self._tensor = head if payload is None else torch.cat([head, payload])
+            self._host, self._view = _host_slot(comm, 1)
+        with _named("the cross-rank layout agreement check", comm.rank):
+            work = dist.all_reduce(self._tensor, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
+        self._pending = comm._pending([work], "the cross-rank layout agreement check")
+
+    def payload(self) -> torch.Tensor:
+        """The ``payload`` (int64, 1-D) MAX-reduced over ranks (on the device: nothing is read on the host)."""
+        if self._tensor is None:  # world size 1
+            return self._payload
+        self._pending.wait()
+        return self._tensor[4:]
+
+    def settle(self) -> None:
+        """The step's collectives were waited for: on an accelerator, queue the result's copy to the host."""
+        if self._values is None and not self._cpu and self._event is None:
+            self._pending.wait()  # the stream waits; the host does not
+            self._host.copy_(self._tensor[:4], non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def _read(self) -> tuple[int, ...]:
+        if self._values is None:
+            if self._cpu:
+                self._pending.wait()
+            else:
+                self.settle()
+                self._event.synchronize()
+            self._values = tuple(self._view)
+        return self._values
+
+    @property
+    def same(self) -> bool:
+        """Every rank passed the same fingerprint."""
+        v = self._read()
+        return v[0] == -v[1]
+
+    @property
+    def anyone(self) -> bool:
+        """Some rank passed the flag."""
+        return bool(self._read()[2])
+
+    @property
+    def everyone(self) -> bool:
+        """Every rank passed the flag."""
+        return self._read()[3] == -1
+
+
+def _host_slot(comm: Comm, slot: int):
+    """Four int64s of host memory (pinned for an accelerator) and a ctypes view of them, made once per ``comm``."""
+    if slot not in comm._agreement_slots:
+        host = torch.zeros(4, dtype=torch.int64, pin_memory=comm.device.type == "cuda")
+        comm._agreement_slots[slot] = (host, (ctypes.c_int64 * 4).from_address(host.data_ptr()))
+    return comm._agreement_slots[slot]
+
+
+_COALESCED_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
 # Point-to-point tags, one per purpose: gloo matches messages by (peer, tag), in order.
 _TAG_GRADS = 0x68660001
 _TAG_PARAMS = 0x68660002

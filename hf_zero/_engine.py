@@ -1,7 +1,8 @@
 """The torch internals the core uses: running a callback when a backward pass ends, and
 a tensor's version counter, and how ``torch.save`` pickles a tensor (for files written
 piece by piece); for stage 2, what the running backward pass will execute, which one is
-running (and which node), and flattening a model's output.
+running (and which node), and flattening a model's output; whether a profiler runs; the
+coalesced broadcast DDP syncs its buffers with.
 
 No public torch API does these; DDP and FSDP use the same autograd-engine call, and
 torch's own checkpointing and in-place checks read ``_version`` (tests/test_compat.py
@@ -14,6 +15,20 @@ import collections
 from typing import Any, Callable
 
 import torch
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler is recording (labels cost microseconds each where none is)."""
+    return torch._C._autograd._profiler_enabled()
+
+
+def coalesced_broadcast():
+    """torch's ``_broadcast_coalesced(group, tensors, buffer_size, src)``, which DDP broadcasts its buffers with
+    (``DistributedDataParallel._distributed_broadcast_coalesced``): the tensors flattened per dtype and device in
+    buffers of up to ``buffer_size`` bytes, broadcast, copied back."""
+    import torch.distributed as dist
+
+    return dist._broadcast_coalesced
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
@@ -42,9 +57,12 @@ def grad_accumulator(param: torch.Tensor):
         return param.view_as(param).grad_fn.next_functions[0][0]
 
 
+_WILL_EXECUTE = getattr(torch._C, "_will_engine_execute_node", None)
+
+
 def will_run(node) -> bool:
     """Whether the running backward pass will execute autograd ``node``. Only inside a backward pass."""
-    will_execute = getattr(torch._C, "_will_engine_execute_node", None)
+    will_execute = _WILL_EXECUTE
     if will_execute is None:
         raise RuntimeError(
             f"hf_zero: torch {torch.__version__} has no torch._C._will_engine_execute_node, which stage 2 relies on; "

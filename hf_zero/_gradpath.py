@@ -75,6 +75,10 @@ class GradientPath:
         """``param``'s index in :attr:`params`, or None when it is not one of them."""
         return self._facts()()[0].index(param)
 
+    def param_indices(self, params) -> tuple[int | None, ...]:
+        """:meth:`param_index` of each of ``params`` (one table lookup for all: a DDP bucket's)."""
+        return self._facts()()[0].indices(params)
+
     @property
     def layout(self) -> Layout | None:
         """The current layout (buffers and each rank's ranges); None before the first step."""
@@ -130,10 +134,10 @@ class GradientPath:
         """Stage 2: this rank's averaged grads, after its checks (no collective); None under stage 1."""
         return None if self.stage2 is None else self.stage2.sharded()
 
-    def for_step(self, grads: _stage2.ShardedGrads | None) -> _stage2.ShardedGrads | None:
+    def for_step(self, grads: _stage2.ShardedGrads | None, carried=None) -> _stage2.ShardedGrads | None:
         """``grads`` (from :meth:`sharded_grads`) for the step, which reads them from the layout they were
         reduced into, after the ranks agreed on which params have grads (collective, unless clipping or a
-        GradScaler agreed already)."""
+        GradScaler agreed already, or another all-reduce carried the flags: ``carried`` gives them reduced)."""
         if grads is None:
             return None
         if grads.pieces and grads.layout != self.layout:
@@ -141,7 +145,7 @@ class GradientPath:
                 "hf_zero stage 2: the trainable params (or their shapes) changed between the backward and "
                 "optimizer.step(): change requires_grad only right after step() or zero_grad()"
             )
-        return grads.agree()
+        return grads.agree(carried)
 
     def memory(self, params: tuple[torch.Tensor, ...]) -> dict[str, int]:
         """This rank's gradient bytes by holder ([Note: memory ledger] in _ledger.py): DDP's buckets (as many

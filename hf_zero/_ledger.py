@@ -20,8 +20,9 @@ counted once (bucket views share the flat buffer; a tied weight is one param):
   ``state_dict()``.
 
 Peaks are the most each category held at the moments it was observed since the last reset: every
-``memory_ledger()`` call, and before and after every step (the grads are whole before it, the state
-after it); stage 2's reduce buckets are observed at every change. ``total`` is the sum now;
+``memory_ledger()`` call, and, from the first call on, before and after every step (the grads are whole
+before it, the state after it); stage 2's reduce buckets are observed at every change. Counting walks
+every param and grad, which a step that nobody asked about does not pay for. ``total`` is the sum now;
 ``peak_total`` the sum of the peaks (an upper bound: categories peak at different moments).
 Activations, autograd's buffers and the allocator's cache are not hf_zero's and are not counted.
 """
@@ -96,8 +97,15 @@ class MemoryLedger:
 class Peaks:
     """The most bytes each category held at the moments observed since the last :meth:`reset`."""
 
-    def __init__(self):
+    def __init__(self, now=None):
         self._peak: dict[str, int] = {}
+        self._now = now  # owner -> category -> bytes now
+        self.watching = False  # steps observe from the first ledger on
+
+    def observe_step(self, owner) -> None:
+        """A step's moment: observed once a ledger was asked for (counting walks every param and grad)."""
+        if self.watching:
+            self.observe(self._now(owner))
 
     def observe(self, now: dict) -> dict:
         """Fold ``now`` (category -> bytes) in; the peaks so far."""

@@ -26,7 +26,7 @@ from ._ledger import CATEGORIES, MemoryLedger, Peaks, storage_bytes
 from ._lifecycle import StateLifecycle
 from ._gradpath import GRAD_REDUCE, GradientPath
 from ._masters import check_choice
-from ._params import ParamTable, check_params
+from ._params import LayoutCheck, ParamTable, check_params
 from ._partition import Partition, all_holdings, rebuild
 from ._state import Holdings
 from ._statedict import STATE_DICT_PARAMS
@@ -194,8 +194,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._partition: Partition | None = None
         self._reload_due = False  # a load happened: the next step rebuilds on every rank
         self._lifecycle = StateLifecycle()
+        self._check = LayoutCheck()  # [Note: the layout check]
         self._iteration = _Iteration()
-        self._peaks = Peaks()  # [Note: memory ledger]
+        self._peaks = Peaks(_memory_now)  # [Note: memory ledger]
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
                                   shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view,
                                   accumulate_dtype=accumulate)
@@ -264,17 +265,15 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         elif closure is not None:
             kwargs = {"closure": closure, **kwargs}
         grads = self._grad.sharded_grads()  # checked before any collective: [Note: a forward without its backward]
-        self._peaks.observe(_memory_now(self))  # the grads whole (or sharded), before the step frees them
+        self._peaks.observe_step(self)  # the grads whole (or sharded), before the step frees them
         self.wait_param_sync()
-        self.ensure_partition()
-        if not self._iteration.grads_averaged:
-            self.average_unreduced_grads()
-        local_loss = self._partition.step_and_sync(self.param_groups, kwargs, self._comm, self._table.params,
-                                                   self._grad.overlap, self._grad.for_step(grads))
+        self._ensure_partition(force=False, blocking=False, payload=None if grads is None else grads.presence_flags())
+        local_loss = _step_pieces(self, kwargs, grads)
+        self._check.end_of_step(self._comm, self._table)
         self._iteration = _Iteration()
         self._grad.step_taken()
         self._lifecycle.stepped()
-        self._peaks.observe(_memory_now(self))
+        self._peaks.observe_step(self)
         return loss if loss is not None else local_loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -287,16 +286,20 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._ensure_partition(force=True)
 
     def ensure_partition(self) -> None:
-        """Rebuild on every rank if any rank's trainability or views changed: one 24-byte all-reduce. Collective."""
+        """Rebuild on every rank if any rank's trainability changed: one 32-byte all-reduce, read at once. Collective."""
         self._ensure_partition(force=False)
 
-    def _ensure_partition(self, force: bool) -> None:
+    def _ensure_partition(self, force: bool, blocking: bool = True, payload: torch.Tensor | None = None) -> None:
+        """``blocking``: every rank reads the layout check now; else a steady step reads it late ([Note: the layout check])."""
         self._lifecycle.check_pending()
-        mask = self._table.mask()
         intact = self._partition is not None and self._partition.views_intact(self._table.params)
-        live = self._live()
-        need = force or live is None or mask != live.mask or not intact or live.layout.buckets != self._grad.wanted_buckets
-        if self._table.agree(self._comm, mask, need=need, fresh=not intact):
+        live, mask = self._live(), self._table.mask()
+        need = force or live is None or mask != live.mask or live.layout.buckets != self._grad.wanted_buckets
+        if self._check.begin(self._comm, self._table, mask, need=need, fresh=not intact, blocking=blocking,
+                             payload=payload):
+            self.wait_param_sync()
+            self._rebuild()
+        elif not intact and not self._check.mirroring:  # storage replaced, the same params: this rank alone re-views
             self.wait_param_sync()
             self._rebuild()
 
@@ -436,7 +439,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     def memory_ledger(self, *, reset_peaks: bool = False) -> MemoryLedger:
         """The bytes hf_zero holds on this rank now, by holder, with each one's peak since the last reset
-        (params, DDP's buckets or full grads, grad shards, reduce buckets, fp32 masters, optimizer state, scratch);
+        (params, DDP's buckets or full grads, grad shards, reduce buckets, fp32 masters, optimizer state, scratch;
+        steps are observed from the first call on, so call it once early to have peaks cover the run);
         ``reset_peaks``: start the peaks afresh after. Not a collective."""
         return _ledger_of(self, reset_peaks)
 
@@ -452,7 +456,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"to must be a rank in [0, {self._comm.world_size}), got {to}")
         self._lifecycle.check_pending()
-        self._table.check_agreement(self._comm)
+        _check_agreement(self)
         self._lifecycle.consolidated(_lifecycle.consolidate(self._comm, self._table, self._holdings(), to, device))
 
     def state_dict(self) -> dict:
@@ -495,14 +499,14 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     def save_sharded(self, path: str | os.PathLike) -> None:
         """Write a sharded checkpoint to directory ``path`` (its own, seen by all ranks), each rank its own state, no
         gather; atomic. Collective. The layout: docs/checkpoints.md."""
-        self._table.check_agreement(self._comm)
+        _check_agreement(self)
         self._lifecycle.check_pending()
         _lifecycle.write_sharded(self, self._comm, self._table, self._holdings(), path)
 
     def load_sharded(self, path: str | os.PathLike) -> None:
         """Load a sharded checkpoint of any world size and shard mode, each rank reading the ranges it will own.
         Collective. Another model's or optimizer class's raises ``ValueError`` listing the mismatches; nothing changes."""
-        self._table.check_agreement(self._comm)
+        _check_agreement(self)
         groups, held, has_state = _lifecycle.read_sharded(self, self._comm, self._table, path)
         self._adopt_loaded(groups, held, has_state=has_state)
 
@@ -542,8 +546,28 @@ def _clip_args(opt: ZeroBucketOptimizer, parameters, what: str) -> tuple[set[int
     return chosen, pieces, opt._grad.partial_grads, sharded
 
 
+def _step_pieces(opt: ZeroBucketOptimizer, kwargs: dict, grads) -> Any:
+    """The local step and the parameter sync; a rank that is mirroring ([Note: the layout check]) takes the
+    step's collectives only."""
+    if opt._check.mirroring:
+        opt._grad.for_step(grads, opt._check.carried)
+        opt._partition.sync(opt._comm, opt._table.params, opt._grad.overlap)
+        return None
+    if not opt._iteration.grads_averaged:
+        opt.average_unreduced_grads()
+    return opt._partition.step_and_sync(opt.param_groups, kwargs, opt._comm, opt._table.params, opt._grad.overlap,
+                                        opt._grad.for_step(grads, opt._check.carried))
+
+
+def _check_agreement(opt: ZeroBucketOptimizer) -> None:
+    """Before a checkpoint collective: raise on every rank unless all hold the same params. Collective."""
+    opt._check.read_late(opt._comm, opt._table)
+    opt._table.check_agreement(opt._comm)
+
+
 def _ledger_of(opt: ZeroBucketOptimizer, reset_peaks: bool) -> MemoryLedger:
     now = _memory_now(opt)
+    opt._peaks.watching = True
     peaks = {**opt._peaks.observe(now), **opt._grad.memory_peaks(reset_peaks)}
     peaks["receive_scratch"] = opt._comm.scratch_peak(reset_peaks)  # observed as it is taken
     ledger = MemoryLedger(**now, peaks={k: v for k, v in peaks.items() if v})

@@ -7,12 +7,16 @@ checkpoints, the gradient path) numbers them the way this table does: in param-g
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Iterable, Sequence
 
 import torch
 
 from ._comm import fingerprint
 from ._layout import ParamSpec
+
+
+_REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
@@ -65,6 +69,10 @@ class ParamTable:
         """``param``'s index, or None when it is not one of the table's params."""
         return self._index_of.get(id(param))
 
+    def indices(self, params) -> tuple[int | None, ...]:
+        """:meth:`index` of each of ``params``."""
+        return tuple(map(self._index_of.get, map(id, params)))
+
     def label(self, i: int) -> str:
         """How errors name param ``i``: its name (or ``#i``), group and shape."""
         return f"{self.names[i] or f'#{i}'} (group {self.group_of[i]}, shape {tuple(self.params[i].shape)})"
@@ -76,7 +84,7 @@ class ParamTable:
 
     def mask(self) -> tuple[bool, ...]:
         """Which params are trainable now."""
-        return tuple(p.requires_grad for p in self.params)
+        return tuple(map(_REQUIRES_GRAD, self.params))
 
     def numels(self) -> dict[int, int]:
         return {i: p.numel() for i, p in enumerate(self.params)}
@@ -128,21 +136,18 @@ class ParamTable:
         """What every rank must hold alike: each param's shape, dtype, device type, trainability."""
         return [(tuple(p.shape), str(p.dtype), p.device.type, m) for p, m in zip(self.params, mask)]
 
-    def agree(self, comm, mask: tuple[bool, ...], *, need: bool, fresh: bool) -> bool:
-        """Check that every rank holds the same params (shapes, dtypes, devices) with the same
-        ``mask``, raising the same error on every rank naming the first that differs; returns
-        whether any rank passed ``need``. Collective (one 24-byte all-reduce). ``fresh``: the
-        params' storage may have been replaced since the last call (recompute the fingerprint)."""
+    def fingerprint(self, mask: tuple[bool, ...], *, fresh: bool) -> int:
+        """A fingerprint of :meth:`agreement_items` for ``mask`` (kept until the mask changes; ``fresh``: the
+        params' storage may have been replaced since, recompute it)."""
         if fresh or self._fingerprint is None or self._fingerprint[0] != mask:
             self._fingerprint = (mask, fingerprint(self.agreement_items(mask)))
-        agree, anyone_needs = comm.agree(self._fingerprint[1], need)
-        if not agree:
-            raise self.disagreement(comm.all_gather_object(self.agreement_items(mask)))
-        return anyone_needs
+        return self._fingerprint[1]
 
     def check_agreement(self, comm) -> None:
-        """Before a checkpoint collective: raise on every rank unless all hold the same params."""
-        self.agree(comm, self.mask(), need=False, fresh=True)
+        """Before a checkpoint collective: raise on every rank unless all hold the same params. Collective."""
+        mask = self.mask()
+        if not comm.agree(self.fingerprint(mask, fresh=True))[0]:
+            raise self.disagreement(comm.all_gather_object(self.agreement_items(mask)))
 
     def disagreement(self, everyone: list[list]) -> RuntimeError:
         """The error naming the first param the ranks' :meth:`agreement_items` differ on."""
@@ -159,3 +164,77 @@ class ParamTable:
                     "freeze/unfreeze the same params and keep the same shapes, dtypes and devices."
                 )
         return RuntimeError("hf_zero: ranks disagree on the parameter layout")
+
+
+class LayoutCheck:
+    """Whether every rank holds the same params with the same trainability, and whether any must re-partition:
+    checked at every step without a steady step waiting for it.
+
+    [Note: the layout check]
+    Each step every rank starts one small all-reduce of its params' fingerprint and whether it must
+    re-partition (``Comm.start_agreement``). A rank where nothing changed since the last agreed step (the
+    steady case) steps on and reads the result at the read point ([Note: reading an agreement late] in
+    _comm.py): the end of the step on the CPU, the start of the next on an accelerator. A rank where something
+    changed (its trainable set or shapes, a load, ``refresh_trainable()``, the first step) reads at once. If
+    every rank is such a rank and the fingerprints agree, every rank re-partitions now. Otherwise some rank
+    is steady and steps with the current layout: the changed ranks *mirror* it, taking the step's collectives
+    (the parameter sync) without stepping their own pieces, and at the read point every rank raises the same
+    error naming what differs. Params whose storage was replaced but still match the agreed fingerprint are
+    re-viewed on their rank alone: a rebuild with an unchanged layout moves nothing between ranks."""
+
+    def __init__(self):
+        self._late = None  # (the Agreement of the last step not read yet, whether this rank needed)
+        self._agreed: int | None = None  # the fingerprint the ranks last agreed on
+        self.mirroring = False  # this rank found the ranks disagreeing: see the note
+        self.carried = None  # the last begin's payload, reduced: a callable
+
+    def begin(self, comm, table: ParamTable, mask: tuple[bool, ...], *, need: bool, fresh: bool,
+              blocking: bool, payload=None) -> bool:
+        """Start this step's check; returns whether every rank re-partitions now. ``need``: this rank must
+        (before the fingerprint is compared); ``blocking``: every rank reads now (not a step: ``ensure_partition``);
+        ``mask``: ``table.mask()``; ``payload``: an int64 tensor MAX-reduced along (:attr:`carried` gives it).
+        Collective."""
+        self.read_late(comm, table)
+        fp = table.fingerprint(mask, fresh=fresh)
+        need = need or fp != self._agreed
+        agreement = comm.start_agreement(fp, need, payload)
+        self.carried = None if payload is None else agreement.payload
+        if not (need or blocking):
+            self._late = (agreement, False)
+            return False
+        if blocking or agreement.everyone:  # every rank reads now
+            if not agreement.same:
+                raise table.disagreement(comm.all_gather_object(table.agreement_items(table.mask())))
+            if agreement.anyone:
+                self._agreed = fp
+            return agreement.anyone
+        self._late, self.mirroring = (agreement, True), True
+        return False
+
+    def end_of_step(self, comm, table: ParamTable) -> None:
+        """The step's collectives were waited for: read the check (CPU) or queue its copy to the host."""
+        if self._late is None:
+            return
+        if comm.device.type == "cpu":
+            self.read_late(comm, table)
+        else:
+            self._late[0].settle()
+
+    def read_late(self, comm, table: ParamTable) -> None:
+        """Read the last step's check, if not read yet: raise on every rank where ranks disagreed. Collective
+        only then (every rank reads it at the same point)."""
+        if self._late is None:
+            return
+        (late, needed), self._late = self._late, None
+        if late.same and not late.anyone:
+            return
+        self.mirroring = False
+        everyone = comm.all_gather_object((table.agreement_items(table.mask()), needed))
+        if not late.same:
+            raise table.disagreement([items for items, _ in everyone])
+        changed = [r for r, (_, need) in enumerate(everyone) if need]
+        raise RuntimeError(
+            f"hf_zero: ranks disagree on whether to re-partition now: rank(s) {changed} changed their params (their "
+            "storage, a loaded state or refresh_trainable()) since the last step and the others did not. Every rank "
+            "must load, refresh and replace params alike, at the same step."
+        )

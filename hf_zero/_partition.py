@@ -28,6 +28,7 @@ benchmarks.e2e, 2 gloo ranks, rank 0's step with reduce-scatter): 76-89 ms befor
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -36,6 +37,7 @@ import torch
 from torch.profiler import record_function
 
 from ._comm import Comm
+from ._engine import profiler_enabled
 from ._layout import Layout, Piece
 from ._ledger import state_bytes
 from ._masters import MASTER_KEY, Master, aliases_watched, needs_master, split_saved, written_through_aliases
@@ -43,6 +45,7 @@ from ._params import ParamTable
 from ._state import Holding, Holdings, Kind, kind_of, move, plan_moves, shape_as
 
 NOT_HYPER = ("params", "param_names")
+_DATA_PTR = torch.Tensor.data_ptr
 # torch.profiler labels of the step's parts (benchmarks/e2e.py --profile sums them): the
 # grads handed to the local optimizer (the masters' upcast), its step, the masters' round
 # into the 16-bit params, the sync's launches and its wait
@@ -81,6 +84,7 @@ class Partition:
         self.bucket_view = bucket_view
         self.buffers = buffers
         self.ptrs = MappingProxyType(dict(ptrs))
+        self._ptr_values = list(self.ptrs.values())
         self.pieces = pieces
         self.inner = inner
         self._grad_scratch: dict[torch.device, torch.Tensor] = {}  # masters' fp32 grads, reused each step
@@ -156,7 +160,7 @@ class Partition:
     # -- facts -------------------------------------------------------------------------
     def views_intact(self, params: tuple[torch.Tensor, ...]) -> bool:
         """Whether every trainable param still has the storage this partition gave it."""
-        return all(params[i].data_ptr() == ptr for i, ptr in self.ptrs.items())
+        return list(map(_DATA_PTR, map(params.__getitem__, self.ptrs))) == self._ptr_values
 
     def owned(self) -> list[Piece]:
         return [lp.piece for lp in self.pieces]
@@ -224,11 +228,11 @@ class Partition:
         plans, pending = self.layout.buffers, []
 
         def launch(b: int) -> None:
-            with record_function(PROFILE_LABELS["sync"]):
+            with _labelled("sync"):
                 pending.append(comm.sync_buffer(self.buffers[b], plans[b].bounds, async_op=True))
 
         loss = self.step(param_groups, kwargs, buffer_done=launch, grad_of=grad_of)
-        with record_function(PROFILE_LABELS["sync_wait"]):
+        with _labelled("sync_wait"):
             for p in pending:
                 if p is not None:
                     p.wait()
@@ -255,7 +259,7 @@ class Partition:
         try:
             chunks = self._step_chunks(kwargs, by_buffer=buffer_done is not None)
             for i, chunk in enumerate(chunks):
-                with record_function(PROFILE_LABELS["grads"]):
+                with _labelled("grads"):
                     scratch, used = self._scratch_for(chunk), {}
                     for lp in chunk:
                         g = lp.param.grad if grad_of is None else _shaped(grad_of(lp.piece), lp.view)
@@ -269,10 +273,10 @@ class Partition:
                             lp.master.set_grad(g, None if g is None else scratch[d][at : at + n])
                         else:  # a float32 stage-2 shard of a 16-bit param stepped without a master: rounded once
                             lp.tensor.grad = g if g is None or g.dtype == lp.tensor.dtype else g.to(lp.tensor.dtype)
-                with record_function(PROFILE_LABELS["step"]):
+                with _labelled("step"):
                     out = self.inner.step(**kwargs)
                 loss = out if loss is None else loss
-                with record_function(PROFILE_LABELS["round"]):
+                with _labelled("round"):
                     for lp in chunk:
                         if lp.master is not None and lp.tensor.grad is not None:
                             lp.master.write_back()
@@ -281,9 +285,10 @@ class Partition:
                     done_through(chunks[i + 1][0].piece.buffer)
             if buffer_done is not None:
                 done_through(len(self.buffers))
-        finally:
+        except BaseException:  # the pieces hold no grad after a step, nor after one that raised
             for lp in self.pieces:
                 lp.tensor.grad = None
+            raise
         for inner_group, group in zip(self.inner.param_groups, param_groups):
             group.update(hyperparams(inner_group))
         return loss
@@ -363,6 +368,15 @@ class Partition:
                     for a, z in ((start, min(stop, lo)), (max(start, hi), stop)):
                         if a < z:
                             flat[a - start : z - start].copy_(buf[a:z])
+
+
+def _labelled(part: str):
+    """The profiler label of a part of the step; nothing while no profiler runs (a label costs microseconds,
+    several times a step)."""
+    return record_function(PROFILE_LABELS[part]) if profiler_enabled() else _UNLABELLED
+
+
+_UNLABELLED = contextlib.nullcontext()
 
 
 def _chunk_elements(device: torch.device) -> int:

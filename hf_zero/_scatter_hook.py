@@ -29,7 +29,8 @@ After the backward (a callback queued from that one runs after DDP has written t
 hooks' results into ``.grad``): one scalar MAX all-reduce of
 "a non-finite grad in my owned ranges". A local inf/NaN anywhere makes its owner's
 average non-finite, so when no rank sets the flag no rank's grads hold one, and when
-one does every rank gets a NaN written into the same grad element: GradScaler's
+one does every rank gets a NaN written into the same grad element (on the device, where the
+flag is: the host reads nothing): GradScaler's
 ``unscale_`` then finds an inf on every rank and all skip the step together. Without a
 GradScaler (``bind_ddp(grad_scaler=False)``, as the integrations pass when Accelerate has
 none) nothing skips steps, every rank steps, and the check is left out.
@@ -76,6 +77,9 @@ class BucketReducer:
         self.finish_in_hook = False
         # Whether anything skips steps on non-finite grads (GradScaler): see the module note.
         self.agree_on_finite = True
+        # The last syncing backward's agreed non-finite flag (a tensor, read only if another syncing backward
+        # comes before the step: every rank's GradScaler then skipped the step if it is set)
+        self.non_finite: torch.Tensor | None = None
         # bucket index -> its buffer's storage (data pointer, bytes): this backward's, and the last syncing one's
         self._storages_now: dict[int, tuple[int, int]] = {}
         self._storages: dict[int, tuple[int, int]] = {}
@@ -85,6 +89,7 @@ class BucketReducer:
         return set(self._storages.values())
 
     def step_taken(self) -> None:
+        self.non_finite = None
         self.reduced_since_step.clear()
         self.partial_grads.clear()
 
@@ -121,10 +126,8 @@ class BucketReducer:
         if opt is None:
             return
         self.partial_grads |= in_scattered
-        if scattered and self.agree_on_finite and not _agree_on_finite(opt, scattered, in_scattered):
-            # Every rank's GradScaler skips this step (no optimizer.step()); what the grads
-            # hold no longer matters, so the next syncing backward is not an error.
-            self.reduced_since_step.clear()
+        if scattered and self.agree_on_finite:
+            self.non_finite = _agree_on_finite(opt, scattered, in_scattered)
         if self.last is None or structure == self.last:
             opt.plan_with_ddp_buckets(structure)
         self.last = structure
@@ -153,6 +156,11 @@ def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annot
         return _done(state.comm.all_reduce_mean_(buffer).wait())
     k = bucket.index()
     state._storages_now[k] = (buffer.untyped_storage().data_ptr(), buffer.untyped_storage().nbytes())
+    if k in state.reduced_since_step and state.non_finite is not None and bool(state.non_finite):
+        # Every rank's GradScaler skipped the step (no optimizer.step()): what the grads hold no
+        # longer matters, so this syncing backward is not an error.
+        state.reduced_since_step.clear()
+        state.non_finite = None
     if k in state.reduced_since_step:
         raise RuntimeError(
             "hf_zero: a second gradient-syncing backward before optimizer.step(): with "
@@ -165,7 +173,7 @@ def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annot
         state._queued = True
         # Queued now, this callback runs before DDP's finalizer; it queues _after_backward, which runs after it.
         queue_end_of_backward(state._finish_collectives)
-    indices = tuple(opt.param_index(p) for p in bucket.parameters())
+    indices = opt.param_indices(bucket.parameters())
     composition = None if None in indices else indices
     state.seen[k] = composition
     bounds = None
@@ -189,34 +197,29 @@ def _done(value) -> torch.futures.Future:
     return fut
 
 
-def _agree_on_finite(opt, owned: list[torch.Tensor], scattered: set[int]) -> bool:
-    """Make GradScaler's inf check agree on every rank (see the module note); returns
-    whether all grads are finite everywhere, i.e. whether GradScaler would step.
-    ``owned``: this rank's range of each reduce-scattered bucket (DDP keeps the hook's
-    result there); the grads of other params (all-reduced, or averaged by hf_zero) are
-    checked whole."""
+def _agree_on_finite(opt, owned: list[torch.Tensor], scattered: set[int]) -> torch.Tensor:
+    """Make GradScaler's inf check agree on every rank (see the module note); returns the agreed flag, a 0-dim
+    tensor that is 1 where some rank's grads hold an inf or NaN (GradScaler skips the step), read by nobody in a
+    steady step: the NaN goes into the grad on the device. ``owned``: this rank's range of each
+    reduce-scattered bucket (DDP keeps the hook's result there); the grads of other params (all-reduced, or
+    averaged by hf_zero) are checked whole."""
     rest = [p.grad for i, p in enumerate(opt.params) if i not in scattered and p.grad is not None]
-    local = torch.zeros((), dtype=torch.float32, device=opt.comm.device)
-    if not _all_finite(owned + rest):
-        local.fill_(1)
-    if opt.comm.all_reduce_(local, op="max", what="agreeing on non-finite gradients").item() == 0:
-        return True
+    flag = opt.comm.all_reduce_(_non_finite(owned + rest, opt.comm.device), op="max",
+                                what="agreeing on non-finite gradients")
     for p in opt.params:  # the same param on every rank: grads are present alike everywhere
         if p.requires_grad and p.grad is not None and p.grad.numel():
-            p.grad.view(-1)[0] = float("nan")
+            cell = p.grad.view(-1)[:1]
+            cell.copy_(torch.where(flag.to(cell.device) > 0, torch.full_like(cell, float("nan")), cell))
             break
-    return False
+    return flag
 
 
-def _all_finite(grads: list[torch.Tensor]) -> bool:
-    """Whether no grad holds an inf or NaN. A sum is finite only when every element is, so
-    one pass of sums (a tenth of ``isfinite`` on CPU) settles the common case; a sum that
-    overflowed from finite values is told apart by the exact check."""
+def _non_finite(grads: list[torch.Tensor], device) -> torch.Tensor:
+    """1.0 (a 0-dim float32 on ``device``) if some grad holds an inf or NaN, else 0.0, computed without reading
+    anything on the host. A float64 sum is finite exactly when every element is (no float16, bfloat16 or
+    float32 sum of finite values reaches float64's range), so one pass of sums settles it."""
     grads = [g for g in grads if g.numel()]
     if not grads:
-        return True
-    device = grads[0].device
-    sums = torch.stack([g.sum(dtype=torch.float32 if g.element_size() < 4 else None).float().to(device) for g in grads])
-    if bool(torch.isfinite(sums).all()):
-        return True
-    return all(bool(torch.isfinite(g).all()) for g in grads)
+        return torch.zeros((), dtype=torch.float32, device=device)
+    sums = torch.stack([g.sum(dtype=torch.float64).to(device) for g in grads])
+    return (~torch.isfinite(sums)).any().to(torch.float32)

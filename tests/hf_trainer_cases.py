@@ -209,6 +209,7 @@ def run_trainer(
     grad_storages=False,
     sample_loss_on_rank0=False,
     predict_between_steps=False,
+    count_reads=False,
     **overrides,
 ):
     """One Trainer run; returns (final params, log_history, info) from this rank.
@@ -223,7 +224,7 @@ def run_trainer(
     ``predict_between_steps``: ``trainer.predict`` after steps 2 and 5 (``info``: the losses,
     the predictions). ``info`` also says which gradient path the optimizer took.
     ``frozen_re``: params whose name it matches (re.search) are frozen at build, as ``frozen_at_build``
-    (name prefixes) freezes.
+    (name prefixes) freezes. ``count_reads``: ``info["reads"]``, the host reads of steps 4-7 (:class:`HostReads`).
     """
     if overrides.pop("one_process_per_node", False):  # as if each rank ran on a node of its own
         os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
@@ -286,6 +287,8 @@ def run_trainer(
     sampling, predicting = SampleLossOnRank0(), PredictBetweenSteps()
     callbacks += [sampling] if sample_loss_on_rank0 else []
     callbacks += [predicting] if predict_between_steps else []
+    reads = HostReads() if count_reads else None
+    callbacks += [reads] if count_reads else []
     trainer = (CpuGradScalerTrainer if overflow else InOrderTrainer)(
         model=model,
         args=args,
@@ -296,7 +299,11 @@ def run_trainer(
     )
     overlapping = _record_overlap(trainer)
     predicting.trainer = trainer
-    trainer.train(resume_from_checkpoint=resume)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    finally:
+        if reads is not None:
+            reads.counter.uninstall()
     if plain_module:
         trainer.save_model()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -310,7 +317,30 @@ def run_trainer(
         info.update(grad_reduce=zero.grad_reduce, overlap=overlapping[-1] if overlapping else None, stage=zero.gradient_path.stage)
     info["wrapped"] = type(trainer.model_wrapped).__name__
     info.update(sample_losses=sampling.losses, predictions=predicting.predictions)
+    if reads is not None:
+        info["reads"] = reads.steps
     return params, trainer.state.log_history, info
+
+
+class HostReads(TrainerCallback):
+    """The host reads of a tensor's value (benchmarks.hostpath.HostReadCounter: Trainer's own included) from the
+    start of steps 4 to 7 to their end: (method, where) per read, per step."""
+
+    def __init__(self):
+        from benchmarks.hostpath import HostReadCounter
+
+        self.counter, self.steps, self._recording = HostReadCounter(), [], None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if 3 <= state.global_step < 7:
+            self._recording = self.counter.recording()
+            self._recording.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._recording is not None:
+            self._recording.__exit__(None, None, None)
+            self._recording = None
+            self.steps.append(list(self.counter.calls))
 
 
 def _record_overlap(trainer) -> list:
@@ -352,17 +382,17 @@ def run_counting_agreements(rank, world_size, **kwargs):
     from hf_zero._comm import Comm
 
     calls = []
-    agree = Comm.agree
+    start = Comm.start_agreement  # every agreement all-reduce, read at once or late
 
     def counting(self, *args, **kw):
         calls.append(1)
-        return agree(self, *args, **kw)
+        return start(self, *args, **kw)
 
-    Comm.agree = counting
+    Comm.start_agreement = counting
     try:
         _, log, _ = run_trainer(rank, world_size, **kwargs)
     finally:
-        Comm.agree = agree
+        Comm.start_agreement = start
     return len(calls), max(e["step"] for e in log)
 
 

@@ -48,3 +48,30 @@ def test_memory_smoke_run(tmp_path):
     assert "the section before the run" not in text and text.endswith("\n\ntail\n") and "Smoke run" in text
     assert "Issue 30's bounds" in text
     assert all(f"`{name}`: skipped. Trainer stage 2 is not available" in text for name in res["skipped"])
+
+
+def test_hostpath_smoke_run(tmp_path):
+    """``python -m benchmarks.hostpath --smoke``: every contender timed in paired rounds against DDP, the steady
+    steps' host reads (none) and collectives counted, the JSON renders."""
+    from benchmarks import hostpath, render
+
+    out = tmp_path / "hostpath.json"
+    assert hostpath.main(["--smoke", "--profile", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    (shape,) = res["config"]["shapes"]
+    rows = res["shapes"][shape]["rows"]
+    assert set(rows) == set(hostpath.CONTENDERS)
+    for name, r in rows.items():
+        assert len(r["ms_rounds"]) == res["config"]["rounds"] and all(0 < ms < 10_000 for ms in r["ms_rounds"]), name
+    assert rows["ddp"]["ratio_median"] == 1.0
+    assert {n: c["reads"] for n, c in res["counts"].items()} == dict.fromkeys(hostpath.CONTENDERS, 0)
+    assert res["counts"]["stage1"]["collectives"] >= 5 and res["counts"]["stage2"]["collectives"] >= 5
+    profiles = res["shapes"][shape]["profiles"]
+    assert any(r["function"].startswith("hf_zero/") for r in profiles["stage2"])
+    original = render.load
+    try:
+        render.load = lambda stem: res if stem == "hostpath_n2" else original(stem)
+        text = "\n".join(render.host_time())
+    finally:
+        render.load = original
+    assert "| 48 tensors, H=64 |" in text and "host reads | 0 | 0 | 0 |" in text

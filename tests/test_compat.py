@@ -191,6 +191,8 @@ def test_unversioned_shims_find_what_they_rely_on(tmp_path):
 
     assert hasattr(torch.autograd.Variable._execution_engine, "queue_callback")  # hf_zero/_engine.py
     assert callable(torch._C._will_engine_execute_node)  # hf_zero/_engine.py (stage 2)
+    assert torch._C._autograd._profiler_enabled() is False  # hf_zero/_engine.py (the step's labels)
+    assert callable(torch.distributed._broadcast_coalesced)  # hf_zero/_engine.py (stage 2's buffers)
     assert callable(torch._C._current_graph_task_id) and callable(torch._C._current_autograd_node)  # stage 2
     assert callable(torch.autograd._is_checkpoint_valid) and callable(torch._C._functorch.peek_interpreter_stack)
     _autograd_grad_is_told_apart()  # hf_zero/_engine.py: accumulates / will_accumulate (stage 2)

@@ -547,13 +547,13 @@ def _small_all_reduces_per_step(rank, world_size):
 @pytest.mark.timeout(120)
 def test_clipping_carries_the_presence_agreement_so_a_step_costs_stage_1s_small_all_reduces():
     """[Note: agreeing on presence]: a stage-2 step runs the same small all-reduces as stage 1's:
-    the 24-byte trainability agreement, and the norm's (a float64 scalar, plus one float64
-    presence flag per param) when clipping, or the presence flags alone (float32) when not.
+    the 32-byte layout check, and the norm's (a float64 scalar, plus one float64 presence flag
+    per param) when clipping; without clipping the presence flags (int64) ride the layout check.
     MLP.unused (never reached) is in the flags and keeps its value: test_stage2_matches_reference's
     clipping cases compare it with the reference."""
     for seen, count in run_ranks(_small_all_reduces_per_step, 2, timeout=100):
-        assert seen[True] == [[24, 8 * (1 + count)]] * 3, seen[True]
-        assert seen[False] == [sorted([24, 4 * count])] * 3, seen[False]
+        assert seen[True] == [[32, 8 * (1 + count)]] * 3, seen[True]
+        assert seen[False] == [[32 + 8 * count]] * 3, seen[False]
 
 
 def _rank_1_answers_no_backward(rank, world_size, skip_model):

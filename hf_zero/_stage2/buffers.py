@@ -36,13 +36,13 @@ class ReceivedBuffers:
         """Collective: rank 0 sends its buffers (rank 0 takes nothing)."""
         if comm.rank == 0:
             with torch.no_grad():
-                comm.broadcast_(buffers, src=0, what="broadcasting buffers from rank 0")
+                comm.broadcast_coalesced_(buffers, src=0, what="broadcasting buffers from rank 0")
             return
         held = self._received[1] if self._received is not None else ()
         if [(v.shape, v.dtype, v.device) for v in held] != [(b.shape, b.dtype, b.device) for b in buffers]:
             held = [torch.empty_like(b) for b in buffers]
         with torch.no_grad():
-            comm.broadcast_(held, src=0, what="broadcasting buffers from rank 0")
+            comm.broadcast_coalesced_(held, src=0, what="broadcasting buffers from rank 0")
         self._received = (buffers, held)
 
     def take(self) -> None:
@@ -58,4 +58,4 @@ def broadcast_at_bind(comm: Comm, tensors: list) -> None:
     """Rank 0's values of these params and buffers (each once), as DDP's constructor does."""
     unique = list({id(t): t.data for t in tensors}.values())
     with torch.no_grad():
-        comm.broadcast_(unique, src=0, what="broadcasting parameters and buffers from rank 0")
+        comm.broadcast_coalesced_(unique, src=0, what="broadcasting parameters and buffers from rank 0")

@@ -57,22 +57,46 @@ class SinceStep:
                 "from the bound model's outputs and call backward on it before clipping or the step"
             )
 
-    def flags(self, count: int, dtype: torch.dtype, device) -> torch.Tensor:
+    def flags(self, count: int, dtype: torch.dtype, device, plan: Plan) -> torch.Tensor:
         """This rank's 0/1 flag per param (``count`` of them): an all-reduce's SUM or MAX of them is
-        positive exactly where some rank had a grad."""
-        mask = torch.zeros(count, dtype=dtype, device=device)
-        if self.touched:
-            mask[sorted(self.touched)] = 1
-        return mask
+        positive exactly where some rank had a grad. Where every param of ``plan`` had one here (a steady
+        step), a copy of flags made once, on the device: nothing is copied from the host."""
+        if self.full(plan):
+            key = (id(plan), count, dtype, str(device))
+            if _FULL[0] is None or _FULL[0][0] != key:
+                _FULL[0] = (key, plan, _flags_of(sorted(self.touched), count, dtype, device))
+            return _FULL[0][2].clone()
+        return _flags_of(sorted(self.touched), count, dtype, device)
 
-    def settle(self, reduced: torch.Tensor) -> None:
-        self.agreed = frozenset((reduced > 0).nonzero().flatten().tolist())
+    def full(self, plan: Plan) -> bool:
+        """Whether every param of ``plan`` had a grad on this rank (then some rank had each, no rank any
+        other: the ranks agreed on the layout)."""
+        return len(self.touched) == len(plan.where)
+
+    def settle(self, reduced: torch.Tensor | None, plan: Plan) -> None:
+        """Agree from ``reduced`` (the flags' all-reduce), read on the host only where this rank missed
+        a grad: otherwise every param of ``plan`` had one (:meth:`full`), with no read."""
+        if self.full(plan):
+            self.agreed = frozenset(self.touched)
+        else:
+            self.agreed = frozenset((reduced > 0).nonzero().flatten().tolist())
 
     def drop(self, i: int) -> None:
         """Param ``i`` has no grad since the step (on this rank; agreed ones too)."""
         self.touched.discard(i)
         if self.agreed is not None:
             self.agreed = self.agreed - {i}
+
+
+_FULL: list = [None]  # (key, its plan, the flags of a plan's every param): the last made
+
+
+def _flags_of(touched: list[int], count: int, dtype: torch.dtype, device) -> torch.Tensor:
+    flags = torch.zeros(count, dtype=dtype, device=device)
+    if touched:
+        flags[touched] = 1
+    return flags
+
 
 class ShardedGrads:
     """This rank's averaged grads since the last step, per piece of :attr:`layout`: :meth:`held`,
@@ -87,12 +111,14 @@ class ShardedGrads:
     of params no rank had a grad for add nothing to it, nor does scaling them change them:
     every rank's bucket slot of a grad that never came is zeroed before it is reduced): so
     the flags ride in the norm's all-reduce (:meth:`all_reduce_along`), as they do in a
-    GradScaler's inf check, and the step finds them agreed. Otherwise the step's
-    :meth:`agree` runs it alone."""
+    GradScaler's inf check, and the step finds them agreed. Otherwise they ride the step's
+    layout check ([Note: the layout check] in _params.py; :meth:`agree` with ``reduced``). A rank
+    that had a grad for every param of the plan knows the answer (all of them) and reads nothing
+    on the host; only a rank that missed one reads the reduced flags."""
 
     def __init__(self, plan: Plan, shards: list, since: SinceStep, comm: Comm, count: int):
         self.layout, self.device = plan.layout, comm.device
-        self.pieces: list[Piece] = plan.layout.pieces(comm.rank)
+        self.pieces: list[Piece] = list(plan.pieces)
         self._plan, self._shards, self._since, self._comm, self._count = plan, shards, since, comm, count
 
     def held(self, piece: Piece) -> torch.Tensor | None:
@@ -118,16 +144,28 @@ class ShardedGrads:
         along until they are agreed (either op marks presence). Collective (one small all-reduce)."""
         if self._since.agreed is not None:
             return self._comm.all_reduce_(scalar, op=op, what=what)
-        flags = self._since.flags(self._count, scalar.dtype, self._comm.device)
+        flags = self._since.flags(self._count, scalar.dtype, self._comm.device, self._plan)
         both = self._comm.all_reduce_(torch.cat([scalar.reshape(1), flags]), op=op, what=what)
-        self._since.settle(both[1:])
+        self._since.settle(both[1:], self._plan)
         return both[0]
 
-    def agree(self) -> "ShardedGrads":
-        """Agree on which params have grads, unless done already. Collective (one small all-reduce, or none)."""
+    def presence_flags(self) -> torch.Tensor | None:
+        """This rank's presence flags (int64) for another all-reduce (MAX) to carry, or None where agreed already:
+        the step's layout check carries them ([Note: the layout check] in _params.py)."""
+        if self._since.agreed is not None:
+            return None
+        return self._since.flags(self._count, torch.int64, self._comm.device, self._plan)
+
+    def agree(self, reduced=None) -> "ShardedGrads":
+        """Agree on which params have grads, unless done already. Collective (one small all-reduce, or none);
+        ``reduced``: a callable giving :meth:`presence_flags` MAX-reduced over ranks, carried by another all-reduce."""
         if self._since.agreed is None:
-            flags = self._since.flags(self._count, torch.float32, self._comm.device)
-            self._since.settle(self._comm.all_reduce_(flags, op="max", what="agreeing on which params have gradients"))
+            if reduced is not None:
+                self._since.settle(None if self._since.full(self._plan) else reduced(), self._plan)
+                return self
+            flags = self._since.flags(self._count, torch.float32, self._comm.device, self._plan)
+            self._since.settle(self._comm.all_reduce_(flags, op="max", what="agreeing on which params have gradients"),
+                               self._plan)
         return self
 
 class Shards:

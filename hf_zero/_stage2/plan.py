@@ -83,6 +83,7 @@ class Plan:
     sizes: tuple[int, ...]
     owned: tuple[tuple[int, int], ...]
     gaps: tuple[tuple[tuple[int, int], ...], ...]  # per buffer: the ranges no slot covers (alignment)
+    pieces: tuple = ()  # this rank's pieces of the layout (``Layout.pieces``)
 
 
 def plan_of(layout: Layout, rank: int) -> Plan:
@@ -99,5 +100,5 @@ def plan_of(layout: Layout, rank: int) -> Plan:
                 holes.append((at, a))
             at = max(at, z)
         gaps.append(tuple(holes))
-    return Plan(layout, where, tuple(sizes), tuple(owned), tuple(gaps))
+    return Plan(layout, where, tuple(sizes), tuple(owned), tuple(gaps), tuple(layout.pieces(rank)))
 

@@ -131,6 +131,8 @@ from .plan import DEFAULT_BUCKET_CAP_MB, Plan, backward_order, buckets_in_flight
 from .pool import BucketPool
 from .stand_ins import StandIns, refuse_unreduced
 
+_DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
+
 
 class Reducer:
     """See [Note: stage 2 reducer]. ``table``: a callable returning the optimizer's ParamTable (held weakly
@@ -144,6 +146,7 @@ class Reducer:
         self.module_ref = None
         self._plan: Plan | None = None
         self._plan_key = None
+        self._plan_quick = None  # (a cheap key of the table's params, the plan key it gave)
         self._accumulators: dict = {}  # param index -> its AccumulateGrad node, per plan
         self._suspended = False  # inside no_sync()
         self._broadcast_buffers = False
@@ -237,7 +240,11 @@ class Reducer:
         return self._current_plan().layout.buckets
 
     def _current_plan(self) -> Plan:
-        specs = self._table().specs()
+        table = self._table()  # the quick key: what the specs follow, read without making a ParamSpec per param
+        quick = (table, table.mask(), tuple(map(_DATA_PTR, table.params)), tuple(map(_NUMEL, table.params)))
+        if self._plan_quick is not None and self._plan_quick[1] is self._plan_key and quick == self._plan_quick[0]:
+            return self._plan
+        specs = table.specs()
         key = (tuple(specs), self.cap_bytes)
         if key != self._plan_key:
             layout = plan_layout(specs, world_size=self.comm.world_size, shard=self._shard,
@@ -246,6 +253,7 @@ class Reducer:
             accumulators = {i: grad_accumulator(params[i]) for i in plan.where}  # before anything changes
             self._plan, self._plan_key, self._accumulators = plan, key, accumulators
             self._pool.plan(layout.buffers, self._plan.sizes, self.cap_bytes)
+        self._plan_quick = (quick, self._plan_key)
         return self._plan
 
     # -- the backward ----------------------------------------------------------------------
@@ -311,7 +319,8 @@ class Reducer:
         if i in self._pending:
             self._pending.discard(i)
             self._left[where[0]] -= 1
-            self._launch_ready()
+            if where[0] == self._next and not self._left[where[0]]:  # the next bucket is complete
+                self._launch_ready()
 
     def _begin(self, root) -> None:
         self.settle(clear=True)
@@ -357,20 +366,24 @@ class Reducer:
 
     def _put_grad(self, i: int, p: torch.Tensor) -> None:
         b, offset, numel = self._plan.where[i]
-        g, spec = p.grad, self._plan.layout.buffers[b]
-        if (b not in self._filling and offset == 0 and numel == self._plan.sizes[b] and g.is_contiguous()
-                and g.storage_offset() == 0 and g.untyped_storage().nbytes() == g.nbytes
-                and g.dtype == spec.dtype and g.device == spec.device):
-            # The bucket is this one grad (a param above the cap, e.g. an embedding): reduce
-            # it in its own storage, which nothing else holds once p.grad lets go, not a copy.
-            self._filling[b] = (g.view(-1), None, False)
-            self._pool.count(g.nbytes, pooled=False)
-            self._placed.add(i)
-            p.grad = None
-            self._shards.since.touched.add(i)
-            return
-        slot, g = self._bucket(b)[offset : offset + numel], g.reshape(-1)
-        n = early_divisor(spec.dtype, self.comm.world_size)
+        g, held = p.grad, self._filling.get(b)
+        if held is None:
+            spec = self._plan.layout.buffers[b]
+            if (offset == 0 and numel == self._plan.sizes[b] and g.is_contiguous()
+                    and g.storage_offset() == 0 and g.untyped_storage().nbytes() == g.nbytes
+                    and g.dtype == spec.dtype and g.device == spec.device):
+                # The bucket is this one grad (a param above the cap, e.g. an embedding): reduce
+                # it in its own storage, which nothing else holds once p.grad lets go, not a copy.
+                self._filling[b] = (g.view(-1), None, False)
+                self._pool.count(g.nbytes, pooled=False)
+                self._placed.add(i)
+                p.grad = None
+                self._shards.since.touched.add(i)
+                return
+            self._bucket(b)
+            held = self._filling[b]
+        slot, g = held[0][offset : offset + numel], g.reshape(-1)
+        n = self.comm.world_size if held[2] else 1  # divided as they come: early_divisor
         if i in self._placed:  # a second grad in one backward (nested backwards): summed as autograd would
             slot.add_(g if n == 1 else g / n)
         elif n == 1:
