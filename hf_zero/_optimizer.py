@@ -112,6 +112,23 @@ class _JoinHook(JoinHook):
         self.optimizer.step()
 
 
+class _Joins(Joinable):
+    """The optimizer's side of :class:`~torch.distributed.algorithms.join.Join` (uneven inputs)."""
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """For :class:`~torch.distributed.algorithms.join.Join`: a rank out of inputs keeps taking steps (with its
+        grads, as torch's ZeroRedundancyOptimizer does). Stage 2 raises ``ValueError`` ([Note: no Join under stage 2])."""
+        return _JoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._comm.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self._comm.process_group
+
+
 def _no_join_under_stage2() -> ValueError:
     """[Note: no Join under stage 2] A joined rank would have to shadow what the others run between
     two of its steps: the buffer broadcast before each forward, every bucket's reduce-scatter in each
@@ -128,7 +145,7 @@ def _no_join_under_stage2() -> ValueError:
     )
 
 
-class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
+class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
     """ZeRO stage-1: each rank keeps optimizer state only for the elements it owns.
 
     A drop-in for :class:`torch.distributed.optim.ZeroRedundancyOptimizer` (constructor,
@@ -411,20 +428,6 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         the step's grad), between the backward and the step; None where this rank owns none of it: docs/stage2.md."""
         chosen, pieces, _, sharded = _clip_args(self, param, "local_grad")
         return _clip.local_grad(self._table, chosen, pieces, sharded)
-
-    # -- Join ------------------------------------------------------------------------
-    def join_hook(self, **kwargs: Any) -> JoinHook:
-        """For :class:`~torch.distributed.algorithms.join.Join`: a rank out of inputs keeps taking steps (with its
-        grads, as torch's ZeroRedundancyOptimizer does). Stage 2 raises ``ValueError`` ([Note: no Join under stage 2])."""
-        return _JoinHook(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self._comm.device
-
-    @property
-    def join_process_group(self) -> Any:
-        return self._comm.process_group
 
     def release_views(self) -> None:
         """Give every param sharing storage its own (for savers refusing it); the next step rebuilds, moving no state."""

@@ -1,5 +1,6 @@
 """Stage 2's bucket plan: which params share a reduce bucket, in what order, and where each
-param's grad lies in its bucket and in this rank's shard. Pure: no process group, the same on every rank."""
+param's grad lies in its bucket and in this rank's shard. Pure (no process group, the same on every
+rank); :class:`CurrentPlan` keeps the plan of the params as they are now."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._layout import Layout
+from .._engine import grad_accumulator
+from .._layout import Layout, plan_layout
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
 MAX_IN_FLIGHT = 2  # buckets being reduce-scattered at once (see the note)
@@ -101,4 +103,41 @@ def plan_of(layout: Layout, rank: int) -> Plan:
             at = max(at, z)
         gaps.append(tuple(holes))
     return Plan(layout, where, tuple(sizes), tuple(owned), tuple(gaps), tuple(layout.pieces(rank)))
+
+
+_DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
+
+
+class CurrentPlan:
+    """The plan of the optimizer's params as they are now (``table``: a callable returning its ParamTable),
+    made again only when their specs or the bucket cap changed, with each planned param's AccumulateGrad
+    node (what tells which params a backward will reach)."""
+
+    def __init__(self, table, shard: str, world_size: int, rank: int):
+        self._table, self._shard, self._world_size, self._rank = table, shard, world_size, rank
+        self.plan: Plan | None = None
+        self.accumulators: dict = {}  # param index -> its AccumulateGrad node
+        self._key = None  # (the specs, the cap) the plan follows
+        self._quick = None  # (a cheap key of the table's params, the key it gave)
+
+    def forget(self) -> None:
+        """Plan again at the next :meth:`current` (a bind or unbind changes the module's order)."""
+        self._key, self.accumulators = None, {}
+
+    def current(self, module_ref, cap_bytes: int) -> tuple[Plan, bool]:
+        """(the plan now, whether it was made anew). A plan whose build raises leaves this as it was."""
+        table = self._table()  # the quick key: what the specs follow, read without making a ParamSpec per param
+        quick = (table, table.mask(), tuple(map(_DATA_PTR, table.params)), tuple(map(_NUMEL, table.params)), cap_bytes)
+        if self._quick is not None and self._quick[1] is self._key and quick == self._quick[0]:
+            return self.plan, False
+        specs = table.specs()
+        key, changed = (tuple(specs), cap_bytes), False
+        if key != self._key:
+            layout = plan_layout(specs, world_size=self._world_size, shard=self._shard,
+                                 buckets=plan_buckets(specs, cap_bytes, backward_order(table, module_ref)))
+            plan, params = plan_of(layout, self._rank), table.params
+            accumulators = {i: grad_accumulator(params[i]) for i in plan.where}  # before anything changes
+            self.plan, self._key, self.accumulators, changed = plan, key, accumulators, True
+        self._quick = (quick, self._key)
+        return self.plan, changed
 

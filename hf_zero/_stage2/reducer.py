@@ -120,18 +120,15 @@ import torch
 from .._binding import Binding
 from .._comm import Comm, early_divisor
 from .._engine import (
-    accumulates, graph_task_id, grad_accumulator, in_functorch, queue_end_of_backward, reentrant_region_below, tree_tensors,
-    will_run,
+    accumulates, graph_task_id, in_functorch, queue_end_of_backward, reentrant_region_below, tree_tensors, will_run,
 )
-from .._layout import plan_layout
 from .buffers import ReceivedBuffers, broadcast_at_bind
 from .grads import ShardedGrads, Shards, unscale
 from .hooks import ARMED, ParamHooks, anchor_outputs, arming_hook, attach, check_coverage, detach, refuse_binding
-from .plan import DEFAULT_BUCKET_CAP_MB, Plan, backward_order, buckets_in_flight, plan_buckets, plan_of, shard_dtype
+from .plan import DEFAULT_BUCKET_CAP_MB, CurrentPlan, Plan, buckets_in_flight, shard_dtype
 from .pool import BucketPool
 from .stand_ins import StandIns, refuse_unreduced
 
-_DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel
 
 
 class Reducer:
@@ -144,10 +141,8 @@ class Reducer:
         self._shard = shard
         self.cap_bytes = int(DEFAULT_BUCKET_CAP_MB * (1 << 20))
         self.module_ref = None
-        self._plan: Plan | None = None
-        self._plan_key = None
-        self._plan_quick = None  # (a cheap key of the table's params, the plan key it gave)
-        self._accumulators: dict = {}  # param index -> its AccumulateGrad node, per plan
+        self._plan: Plan | None = None  # the current plan, as _current_plan() last found it
+        self._plans = CurrentPlan(table, shard, comm.world_size, comm.rank)
         self._suspended = False  # inside no_sync()
         self._broadcast_buffers = False
         self._buffers = ReceivedBuffers()
@@ -206,7 +201,7 @@ class Reducer:
         self._broadcast_buffers = (broadcast_buffers and self.comm.world_size > 1 and not others
                                    and any(True for _ in module.buffers()))
         self.module_ref = weakref.ref(module)
-        self._plan_key = None  # planned again, in the module's order
+        self._plans.forget()  # planned again, in the module's order
         attach(module, self)
 
     def _unbound(self) -> None:
@@ -215,7 +210,7 @@ class Reducer:
         module = self.module_ref() if self.module_ref is not None else None
         self.step_taken()
         self.module_ref, self._param_hooks, self._coverage_due = None, None, False
-        self._plan_key, self._accumulators = None, {}
+        self._plans.forget()
         broadcasting, self._broadcast_buffers = self._broadcast_buffers, False
         if module is not None:
             detach(module, broadcasting)
@@ -240,21 +235,11 @@ class Reducer:
         return self._current_plan().layout.buckets
 
     def _current_plan(self) -> Plan:
-        table = self._table()  # the quick key: what the specs follow, read without making a ParamSpec per param
-        quick = (table, table.mask(), tuple(map(_DATA_PTR, table.params)), tuple(map(_NUMEL, table.params)))
-        if self._plan_quick is not None and self._plan_quick[1] is self._plan_key and quick == self._plan_quick[0]:
-            return self._plan
-        specs = table.specs()
-        key = (tuple(specs), self.cap_bytes)
-        if key != self._plan_key:
-            layout = plan_layout(specs, world_size=self.comm.world_size, shard=self._shard,
-                                 buckets=plan_buckets(specs, self.cap_bytes, backward_order(self._table(), self.module_ref)))
-            plan, params = plan_of(layout, self.comm.rank), self._table().params
-            accumulators = {i: grad_accumulator(params[i]) for i in plan.where}  # before anything changes
-            self._plan, self._plan_key, self._accumulators = plan, key, accumulators
-            self._pool.plan(layout.buffers, self._plan.sizes, self.cap_bytes)
-        self._plan_quick = (quick, self._plan_key)
-        return self._plan
+        plan, changed = self._plans.current(self.module_ref, self.cap_bytes)
+        if changed:
+            self._pool.plan(plan.layout.buffers, plan.sizes, self.cap_bytes)
+        self._plan = plan
+        return plan
 
     # -- the backward ----------------------------------------------------------------------
     def before_forward(self, module: torch.nn.Module) -> None:
@@ -298,7 +283,7 @@ class Reducer:
 
     def _param_nodes(self):
         self._current_plan()
-        return self._accumulators.values()
+        return self._plans.accumulators.values()
 
     def on_grad(self, i: int, p: torch.Tensor) -> None:
         if self._suspended or p.grad is None:
@@ -337,7 +322,7 @@ class Reducer:
         self._deferred = any(r is not self for r in ARMED)
         ARMED.add(self)
         self._left, self._pending, self._placed = [0] * len(plan.sizes), set(), set()
-        params, accumulators = self._table().params, self._accumulators
+        params, accumulators = self._table().params, self._plans.accumulators
         unreached = []
         for i, (b, _, _) in plan.where.items():
             if will_run(accumulators[i]):
