@@ -239,24 +239,24 @@ def _reference_one_rank(rank, world_size, name):
 def _plan_fails_once(rank, world_size, stage2: bool):
     """The first bucket plan fails midway (its AccumulateGrad nodes cannot be taken): that backward raises;
     zero_grad() then the next backwards train as torch AdamW does on the same data."""
-    import hf_zero._stage2.reducer as reducer_module
+    import hf_zero._stage2.plan as plan_module  # where the plan takes the AccumulateGrad nodes
 
     model = _mlp(7)
     m, opt = _wrap(model, "stage2" if stage2 else "manual")
     failed = None
     if stage2:
-        taken = reducer_module.grad_accumulator
+        taken = plan_module.grad_accumulator
 
         def broken(p):
             raise RuntimeError("no AccumulateGrad node here")
 
-        reducer_module.grad_accumulator = broken
+        plan_module.grad_accumulator = broken
         try:
             m(_data(0, rank, 4, 5)).square().mean().backward()
         except RuntimeError as e:
             failed = str(e)
         finally:
-            reducer_module.grad_accumulator = taken
+            plan_module.grad_accumulator = taken
         opt.zero_grad()
     for step in range(STEPS):
         m(_data(step, rank, 4, 5)).square().mean().backward()

@@ -89,11 +89,13 @@ class BucketPool:
         """The reducer's step: :attr:`peak_held` counts from now."""
         self.peak_held = self.held
 
-    def count(self, nbytes: int, *, pooled: bool) -> None:
-        """A bucket of ``nbytes`` taken into use (``nbytes < 0``: given back; ``pooled``: the pool's); none in
-        use (the backward's end): the free ones are let go."""
+    def count(self, bucket: torch.Tensor, base: torch.Tensor | None, *, given_back: bool = False) -> None:
+        """``bucket`` (from :meth:`take`, with its pooled ``base``; or a grad reduced in its own storage, no base)
+        taken into use, or ``given_back``; none in use (the backward's end): the free ones are let go. A pooled
+        bucket holds its whole base, however much of it the bucket uses."""
+        nbytes = (bucket if base is None else base).nbytes * (-1 if given_back else 1)
         self.in_use += nbytes
-        if pooled:
+        if base is not None:
             self._pooled_in_use += nbytes
         else:
             self._unpooled_in_use += nbytes

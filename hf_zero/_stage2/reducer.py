@@ -360,7 +360,7 @@ class Reducer:
                 # The bucket is this one grad (a param above the cap, e.g. an embedding): reduce
                 # it in its own storage, which nothing else holds once p.grad lets go, not a copy.
                 self._filling[b] = (g.view(-1), None, False)
-                self._pool.count(g.nbytes, pooled=False)
+                self._pool.count(g, None)
                 self._placed.add(i)
                 p.grad = None
                 self._shards.since.touched.add(i)
@@ -390,7 +390,7 @@ class Reducer:
             for a, z in self._plan.gaps[b]:
                 buf[a:z].zero_()
             held = self._filling[b] = (buf, base, early_divisor(plan.dtype, self.comm.world_size) > 1)
-            self._pool.count(buf.nbytes, pooled=base is not None)
+            self._pool.count(buf, base)
         return held[0]
 
     @property
@@ -440,7 +440,7 @@ class Reducer:
         self._shards.written.add(b)
         if base is not None:
             self._pool.give(base)
-        self._pool.count(-buf.nbytes, pooled=base is not None)
+        self._pool.count(buf, base, given_back=True)
         # gloo keeps a collective's work, and the bucket it sends, a while after it completes
         # ([Note: no Python on communication threads]): without this, every bucket of every
         # backward in the last second or two stays alive, a full set of grads per fast step.
@@ -470,7 +470,7 @@ class Reducer:
         for buf, base, _ in self._filling.values():
             if base is not None:
                 self._pool.give(base)
-            self._pool.count(-buf.nbytes, pooled=base is not None)
+            self._pool.count(buf, base, given_back=True)
         self._filling.clear()
         self._armed, self._shards.since.agreed, self._pending, self._broken = False, None, set(), True
         ARMED.discard(self)
