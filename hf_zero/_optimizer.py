@@ -358,9 +358,19 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                                local_accumulation=local_accumulation)
 
     def unbind(self) -> None:
-        """Remove every hook and attribute hf_zero put on the model and its params: it is as if never bound, and may be
-        bound again. Done too when the optimizer is collected, and by Trainer / Accelerate when training ends."""
+        """Remove every hook and attribute hf_zero put on the model and its params, and give each param storage of
+        its own again (the flat buffers are freed): it is as if never bound, every saver takes it, and it may be bound
+        again (the next step rebuilds the buffers, moving no state). Not a collective. Done too by Trainer /
+        Accelerate when training ends or fails; when the optimizer is collected, the hooks and attributes go."""
         self._grad.unbind()
+        self._own_storage()
+
+    def _own_storage(self) -> None:
+        """[Note: params own their storage after a run] in _partition.py."""
+        self.wait_param_sync()
+        if self._partition is not None:
+            self._comm.release_completed_works(drop_scratch=True)  # the last syncs' works hold the buffers
+            self._partition = self._partition.without_buffers(self._table.params)
 
     @property
     def grad_reduce(self) -> str:
@@ -420,7 +430,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     def release_views(self) -> None:
         """Give every param sharing storage its own (for savers refusing it); the next step rebuilds, moving no state."""
-        self.wait_param_sync()
+        self._own_storage()
         self._table.release_shared_storage()
 
     def stats(self) -> dict[str, Any]:

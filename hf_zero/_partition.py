@@ -148,6 +148,31 @@ class Partition:
         self._grad_scratch = {}
         return buffers
 
+    def without_buffers(self, params: tuple[torch.Tensor, ...]) -> "Partition":
+        """[Note: params own their storage after a run] This partition with every param that is a view of
+        one of its buffers given storage of its own (a copy) and its pieces viewing that instead, and no
+        buffers: savers that refuse shared storage (safetensors' ``save_model``) take the params, and
+        the buffers are freed. One buffer at a time: each is freed (when nothing else holds it) before
+        the next one's params are copied, so this holds one buffer more at most. The state and the
+        pieces stay; the next step rebuilds (:meth:`views_intact` is False), moving no state."""
+        if not (self.buffers and self.bucket_view):
+            return self
+        buffers, self.buffers = list(self.buffers), ()
+        by_buffer: dict[int, list[LocalPiece]] = {}
+        for lp in self.pieces:
+            by_buffer.setdefault(lp.piece.buffer, []).append(lp)
+        for b, plan in enumerate(self.layout.buffers):
+            for slot in plan.slots:
+                p = params[slot.index]
+                if p.data_ptr() == self.ptrs.get(slot.index):
+                    p.data = p.data.clone()
+            for lp in by_buffer.get(b, ()):
+                piece = lp.param.data.view(-1)[lp.piece.start : lp.piece.stop]
+                lp.view.data = piece.view(lp.view.shape)
+            buffers[b] = None  # freed here unless held elsewhere
+        return Partition(layout=self.layout, mask=self.mask, shard=self.shard, bucket_view=self.bucket_view,
+                         buffers=(), ptrs=self.ptrs, pieces=self.pieces, inner=self.inner)
+
     def emptied(self) -> "Partition":
         """The same buffers and views, without pieces or state (after a load replaced the state)."""
         return Partition(layout=self.layout, mask=self.mask, shard=self.shard, bucket_view=self.bucket_view,

@@ -339,6 +339,7 @@ def register() -> None:
         _compat.watch_trainer(transformers.Trainer)
         _compat.before_optimizer_save(transformers.Trainer, _before_optimizer_save, _after_optimizer_save)
         _compat.serve_loaded_optimizer_state(_serve_reference)
+        _compat.after_failed_train(transformers.Trainer, _unbind_after_failure)
         if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
             transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
     except BaseException:
@@ -524,6 +525,18 @@ class ZeroBucketCallback(TrainerCallback):
         if self._mine(optimizer) is not None and logs is not None and self._pending:
             logs.update(self._pending)
             self._pending = {}
+
+
+def _unbind_after_failure(trainer) -> None:
+    """``train()`` raised (an exception in a step or a callback, an interrupt): no ``on_train_end`` comes, so
+    the optimizer is unbound here, as there ([Note: a binding ends with its run]); the exception goes on."""
+    opt = ours(getattr(trainer, "optimizer", None))
+    if opt is None:
+        return
+    try:
+        opt.unbind()
+    except Exception:  # the run's own exception is the one to see
+        logger.warning("hf_zero: unbinding the optimizer after train() raised failed", exc_info=True)
 
 
 def _before_optimizer_save(trainer, output_dir: str) -> None:
