@@ -70,6 +70,16 @@ def _claimant(param: Any) -> "Binding | None":
     return entry[1]()
 
 
+def claimants(params) -> list["Binding"]:
+    """The open bindings that claimed any of ``params`` ([Note: a newer binding takes over])."""
+    found: list[Binding] = []
+    for p in params:
+        b = _claimant(p)
+        if b is not None and b not in found:
+            found.append(b)
+    return found
+
+
 class Binding:
     """The hook handles and attributes one optimizer attached to user objects (see
     [Note: a binding ends with its run]). Holds no user object alive. ``end``: what ends the
@@ -88,13 +98,9 @@ class Binding:
     def claim(self, params) -> list["Binding"]:
         """Serve ``params`` from now on: every other open binding over any of them is taken over
         first (its owner's binding ends). Returns those taken over."""
-        older: list[Binding] = []
-        for p in params:
-            other = _claimant(p)
-            if other is not None and other is not self and other not in older:
-                older.append(other)
+        older = [b for b in claimants(params) if b is not self]
         for other in older:
-            other._taken()
+            other.take_over()
         for key in [k for k, (p, b) in _CLAIMS.items() if p() is None or b() is None]:
             del _CLAIMS[key]  # params or bindings gone
         me = weakref.ref(self)
@@ -104,7 +110,8 @@ class Binding:
         self.taken_over = False
         return older
 
-    def _taken(self) -> None:
+    def take_over(self) -> None:
+        """A newer user of its params took over: end the owner's binding and mark it :attr:`taken_over`."""
         end = self._end() if self._end is not None else None
         (end or self.close)()
         self.close()

@@ -135,6 +135,44 @@ def test_a_second_optimizer_prepared_on_one_accelerator_takes_over_and_equals_to
         assert_params_equal(got, want, "probe then full fine-tune vs torch AdamW")
 
 
+def _torch_after_interrupted_stage2(rank, world_size):
+    """A stage-2 loop on one Accelerator stops between a backward and its step (an exception; nothing ends
+    the run); then another Accelerator prepares the model with torch's AdamW under DDP, as it would a fresh
+    copy of it. Returns, per model, the grad norms and the params."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    os.environ.update(LOCAL_RANK=str(rank), ACCELERATE_USE_CPU="1")
+    torch.manual_seed(0)
+    model = MLP()
+    first = Accelerator(cpu=True)
+    prepared, opt = first.prepare(model, hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2,
+                                                                     stage=2))
+    _steps(model, opt, 2, rank, world_size, forward=prepared, backward=first.backward)
+    first.backward(prepared(*_batch(model, 2, rank, world_size)))  # interrupted before its step
+    fresh = MLP()  # never bound, with the model's values
+    fresh.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    runs = []
+    for m in (model, fresh):
+        accelerator = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
+        ddp, adamw = accelerator.prepare(m, torch.optim.AdamW(m.parameters(), lr=1e-2))
+        norms = []
+        adamw.zero_grad()
+        for step in range(3):
+            accelerator.backward(ddp(*_batch(m, step, rank, world_size)))
+            norms.append(accelerator.clip_grad_norm_(m.parameters(), 0.5).item())
+            adamw.step()
+            adamw.zero_grad()
+        runs.append((norms, [p.detach().clone() for p in m.parameters()]))
+    return runs
+
+
+def test_torch_adamw_under_another_accelerator_after_an_interrupted_stage2_loop_trains_as_on_a_fresh_copy():
+    for (norms, got), (want_norms, want) in run_ranks(_torch_after_interrupted_stage2, 2, timeout=120):
+        assert norms == want_norms and all(n == n and n > 0 for n in norms), (norms, want_norms)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 # -- Trainer: an interrupted train(), then another Trainer on the model; saves and what stays held -----
 def _trainer(model, output_dir, optim, optim_args=None, callbacks=(), **overrides):
     from transformers import TrainingArguments

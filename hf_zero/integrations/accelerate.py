@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import _offline
+from .._binding import claimants
 from .._views import own_storage_watched, separate_views
 from .._optimizer import ZeroBucketOptimizer
 from . import _compat
@@ -129,6 +130,7 @@ def _before_prepare(accelerator, objects=()) -> None:
     prepared): refuse the engines hf_zero cannot serve, and, when a model is among them,
     have DDP keep each ``p.grad`` as a view of its bucket (``gradient_as_bucket_view``):
     otherwise the grads are held twice, in ``p.grad`` and in DDP's buckets."""
+    _end_older_runs(accelerator, objects)
     if not any(ours(o) is not None for o in (*objects, *_compat.prepared_optimizers(accelerator))):
         return
     _refuse_engines(accelerator)
@@ -136,6 +138,28 @@ def _before_prepare(accelerator, objects=()) -> None:
     wiring.stage2 = weakref.WeakSet(o for o in map(ours, objects) if o is not None and _stage2(o))
     if any(isinstance(o, torch.nn.Module) for o in objects):
         _grads_as_bucket_views(accelerator)
+
+
+# binding -> the accelerator whose wiring bound it (both weakly)
+_BOUND_BY: "weakref.WeakKeyDictionary[object, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _end_older_runs(accelerator, objects) -> None:
+    """[Note: a newer binding takes over] for runs without an optimizer of hf_zero's: a model being prepared
+    starts a run, so the bindings over its params that another Accelerator's wiring made (a run interrupted
+    without ``end_training()``, whose objects a notebook keeps) end, and are not bound again."""
+    params = [p for o in objects if isinstance(o, torch.nn.Module) for p in unwrap_ddp(o).parameters()]
+    for binding in claimants(params):
+        ref = _BOUND_BY.get(binding)
+        if ref is not None and ref() is not accelerator:
+            binding.take_over()
+
+
+def _taken_over_by(optimizer) -> None:
+    """A newer optimizer that is not hf_zero's, prepared over params an hf_zero binding serves, takes them over."""
+    params = [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"]]
+    for binding in claimants(params):
+        binding.take_over()
 
 
 def _stage2(opt: ZeroBucketOptimizer) -> bool:
@@ -220,6 +244,8 @@ def _wire(accelerator, prepared=None) -> bool:
     wiring = _WIRED.setdefault(accelerator, _Wiring())
     if isinstance(prepared, torch.nn.parallel.DistributedDataParallel):
         wiring.ddps.add(prepared)
+    if isinstance(prepared, torch.optim.Optimizer) and ours(prepared) is None:
+        _taken_over_by(getattr(prepared, "optimizer", prepared))
     optimizers = [o for o in map(ours, _compat.prepared_optimizers(accelerator)) if o is not None]
     if not optimizers:
         return False
@@ -282,6 +308,7 @@ def _bind(accelerator, wiring: _Wiring, opt: ZeroBucketOptimizer) -> None:
             grad_scaler=getattr(accelerator, "scaler", None) is not None,
             overlap_units=_compat.block_classes(ddp.module),
         )
+    _BOUND_BY[opt.gradient_path.binding] = weakref.ref(accelerator)
     for model in _compat.prepared_models(accelerator):
         if _stage2(opt) and _holds(opt, model):
             _bind_stage2(accelerator, opt, model)
