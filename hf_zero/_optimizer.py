@@ -358,19 +358,11 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                                local_accumulation=local_accumulation)
 
     def unbind(self) -> None:
-        """Remove every hook and attribute hf_zero put on the model and its params, and give each param storage of
-        its own again (the flat buffers are freed): it is as if never bound, every saver takes it, and it may be bound
-        again (the next step rebuilds the buffers, moving no state). Not a collective. Done too by Trainer /
-        Accelerate when training ends or fails; when the optimizer is collected, the hooks and attributes go."""
+        """Remove every hook and attribute hf_zero put on the model, and give each param its own storage (the buffers
+        are freed): as if never bound, any saver takes it; it may be bound again (the next step rebuilds, moving no
+        state). Not a collective. Trainer / Accelerate call it when training ends or fails; collected, the hooks go."""
         self._grad.unbind()
-        self._own_storage()
-
-    def _own_storage(self) -> None:
-        """[Note: params own their storage after a run] in _partition.py."""
-        self.wait_param_sync()
-        if self._partition is not None:
-            self._comm.release_completed_works(drop_scratch=True)  # the last syncs' works hold the buffers
-            self._partition = self._partition.without_buffers(self._table.params)
+        _own_storage(self)
 
     @property
     def grad_reduce(self) -> str:
@@ -430,7 +422,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     def release_views(self) -> None:
         """Give every param sharing storage its own (for savers refusing it); the next step rebuilds, moving no state."""
-        self._own_storage()
+        _own_storage(self)
         self._table.release_shared_storage()
 
     def stats(self) -> dict[str, Any]:
@@ -534,6 +526,14 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if found is not None:
             self.load_sharded(found)
         return found
+
+
+def _own_storage(opt: ZeroBucketOptimizer) -> None:
+    """See [Note: params own their storage after a run] in _partition.py."""
+    opt.wait_param_sync()
+    if opt._partition is not None:
+        opt._comm.release_completed_works(drop_scratch=True)  # the last syncs' works hold the buffers
+        opt._partition = opt._partition.without_buffers(opt._table.params)
 
 
 def _ledger_of(opt: ZeroBucketOptimizer, reset_peaks: bool) -> MemoryLedger:

@@ -83,6 +83,7 @@ def _plain_loop(rank, world_size):
             [p.detach().clone() for p in reference.parameters()])
 
 
+@pytest.mark.fast
 def test_a_second_optimizer_bound_in_a_plain_loop_takes_over_and_equals_ddp():
     for refused, refused_second, got_second, want_second, got, want in run_ranks(_plain_loop, 2, timeout=120):
         assert refused is not None and TAKEN_OVER in refused and "bind_module(model) again" in refused
@@ -300,6 +301,10 @@ def trainer_cases(tmp_path_factory):
     return run_ranks(_trainer_cases, 2, str(tmp_path_factory.mktemp("takeover")), timeout=400)
 
 
+@pytest.mark.reliability("A stage-2 Trainer interrupted (KeyboardInterrupt from a callback, its Trainer kept), then a "
+                         "second Trainer on the model with {second}, 2 ranks",
+                         "the interrupt goes on, the model keeps no hook; the second run equals it on a fresh copy "
+                         "bitwise (grad norms and params), no NaN")
 @pytest.mark.parametrize("second", ["adamw_torch", "stage2"])
 def test_after_an_interrupted_stage2_train_the_next_trainer_trains_as_on_a_fresh_copy(trainer_cases, second):
     for per_rank in trainer_cases:
