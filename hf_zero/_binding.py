@@ -105,8 +105,9 @@ class Binding:
             del _CLAIMS[key]  # params or bindings gone
         me = weakref.ref(self)
         for p in params:
-            _CLAIMS[id(p)] = (weakref.ref(p), me)
-            self._claimed.append(id(p))
+            if _claimant(p) is not self:
+                _CLAIMS[id(p)] = (weakref.ref(p), me)
+                self._claimed.append(id(p))
         self.taken_over = False
         return older
 

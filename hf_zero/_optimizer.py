@@ -197,7 +197,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
                                   shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view,
                                   accumulate_dtype=accumulate)
-        weakref.finalize(self, self._grad.binding.close).atexit = False  # collected, it leaves the model as it found it
+        # collected, it leaves the model as it found it and nothing holds its buffers ([Note: a binding ends with its run])
+        weakref.finalize(self, _collected, self._grad.binding, self._comm).atexit = False
         self._ready = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -526,6 +527,13 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         if found is not None:
             self.load_sharded(found)
         return found
+
+
+def _collected(binding, comm: Comm) -> None:
+    """An optimizer was collected (never at exit): its binding ends, and the completed works of its last
+    collectives, which hold its buffers, are let go."""
+    binding.close()
+    comm.release_completed_works(drop_scratch=True)
 
 
 def _own_storage(opt: ZeroBucketOptimizer) -> None:

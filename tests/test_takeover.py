@@ -93,6 +93,96 @@ def test_a_second_optimizer_bound_in_a_plain_loop_takes_over_and_equals_ddp():
         assert_params_equal(got, want, "the first optimizer bound again vs DDP + the first torch AdamW")
 
 
+def _plain_loop_stage1(rank, world_size):
+    """Stage 1 under one DDP: the first optimizer's reduce-scatter comm hook averages again once a second
+    optimizer over the same params binds the DDP (which keeps one comm hook: the second all-reduces)."""
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    first = hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, grad_reduce="reduce_scatter")
+    first.bind_ddp(ddp)
+    _steps(model, first, 2, rank, world_size, forward=ddp)
+    second = hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, grad_reduce="reduce_scatter")
+    second.bind_ddp(ddp)
+    taken = (first.gradient_path.taken_over, second.grad_reduce)
+    _steps(model, second, 3, rank, world_size, forward=ddp, first=2)
+
+    ref_ddp = nn.parallel.DistributedDataParallel(reference, find_unused_parameters=True)
+    _steps(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), 2, rank, world_size, forward=ref_ddp)
+    _steps(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), 3, rank, world_size, forward=ref_ddp, first=2)
+    got, want = [p.detach().clone() for p in model.parameters()], [p.detach().clone() for p in reference.parameters()]
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    refs = [StorageWeakRef(p.untyped_storage()) for p in model.parameters()]  # views of the flat buffers
+    del ddp, first, second, model
+    gc.collect()
+    return taken, got, want, sum(not r.expired() for r in refs)
+
+
+def test_a_second_stage1_optimizer_bound_to_the_same_ddp_takes_over_and_equals_ddp():
+    """And once the model and the optimizers are deleted (never unbound), no storage of the model is alive."""
+    for (taken_over, grad_reduce), got, want, alive in run_ranks(_plain_loop_stage1, 2, timeout=120):
+        assert taken_over and grad_reduce == "all_reduce"
+        assert_params_equal(got, want, "the second stage-1 optimizer vs DDP + a second torch AdamW")
+        assert alive == 0, f"{alive} storages of the model are alive after the model and the optimizers were deleted"
+
+
+@pytest.mark.fast
+def test_a_takeover_that_leaves_params_unserved_is_refused_at_the_next_forward():
+    """The newer optimizer holds only the head: the older one's other trainable params would have no
+    reducer, so the next forward refuses, naming them, before any backward or step."""
+    torch.manual_seed(0)
+    model = MLP()
+    first = hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, stage=2)
+    first.bind_module(model)
+    _steps(model, first, 1, 0, 1)
+    head = hf_zero.ZeroBucketOptimizer(model.net[4].parameters(), torch.optim.AdamW, lr=1e-2, stage=2)
+    head.bind_module(model)
+    assert first.gradient_path.taken_over
+    with pytest.raises(ValueError, match=r"trainable params of the bound model are in no stage-2 optimizer bound "
+                                         r"to it: \['scale', 'unused', 'net.0.weight'"):
+        model(*model.batch(1, BATCH))
+
+
+def _save_and_load_back(model, path):
+    import safetensors.torch
+
+    safetensors.torch.save_model(model, str(path))
+    fresh = MLP()
+    safetensors.torch.load_model(fresh, str(path))
+    return all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("stage", [1, 2])
+def test_safetensors_save_model_works_while_bound_and_after_unbind_and_training_goes_on_exactly(tmp_path, stage):
+    """While bound (stage 2: bind_module) the model's state dict gives every param storage of its own; after
+    unbind() the params own it (the buffers freed) and the next steps (rebuilt buffers) equal a run that was
+    never unbound, bitwise."""
+    runs = []
+    for unbind in (True, False):
+        torch.manual_seed(0)
+        model = MLP()
+        opt = hf_zero.ZeroBucketOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, stage=stage)
+        if stage == 2:
+            opt.bind_module(model)
+        _steps(model, opt, 2, 0, 1)
+        if unbind:
+            assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) < 8  # views of the buffers
+            if stage == 2:
+                assert _save_and_load_back(model, tmp_path / "bound.safetensors")
+            opt.unbind()
+            assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 8
+            assert all(p.untyped_storage().nbytes() == p.nbytes for p in model.parameters())
+            assert _save_and_load_back(model, tmp_path / "unbound.safetensors")
+            if stage == 2:
+                opt.bind_module(model)
+        _steps(model, opt, 2, 0, 1, first=2)
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 # -- Accelerate: a linear probe's optimizer, then the full fine-tune's, on one Accelerator ------------
 def _probe_then_full(rank, world_size):
     from accelerate import Accelerator
