@@ -6,7 +6,9 @@ buffers (params are views into them with ``parameters_as_bucket_view``), the dat
 each trainable param had when it was built (to notice storage replaced behind our back),
 this rank's pieces and the local optimizer stepping them. Nothing of it is reassigned
 after :meth:`Partition.build`; a trainability change, a new DDP bucket structure or a load
-makes a new Partition with :func:`rebuild`, and the old one is dropped whole.
+makes a new Partition with :func:`rebuild`, and the old one is dropped whole. (At the end of a
+run :meth:`Partition.without_buffers` hands the params and pieces storage of their own and drops
+the buffers: [Note: params own their storage after a run].)
 
 The local optimizer steps each piece's ``tensor``: the piece of the param itself (a view
 of its buffer), or, for a 16-bit param with master weights, the piece's fp32 master
@@ -162,13 +164,16 @@ class Partition:
         for lp in self.pieces:
             by_buffer.setdefault(lp.piece.buffer, []).append(lp)
         for b, plan in enumerate(self.layout.buffers):
+            moved = set()
             for slot in plan.slots:
                 p = params[slot.index]
-                if p.data_ptr() == self.ptrs.get(slot.index):
+                if p.data_ptr() == self.ptrs.get(slot.index):  # else replaced behind our back: not ours to copy
                     p.data = p.data.clone()
+                    moved.add(slot.index)
             for lp in by_buffer.get(b, ()):
-                piece = lp.param.data.view(-1)[lp.piece.start : lp.piece.stop]
-                lp.view.data = piece.view(lp.view.shape)
+                if lp.piece.index in moved:
+                    piece = lp.param.data.view(-1)[lp.piece.start : lp.piece.stop]
+                    lp.view.data = piece.view(lp.view.shape)
             buffers[b] = None  # freed here unless held elsewhere
         return Partition(layout=self.layout, mask=self.mask, shard=self.shard, bucket_view=self.bucket_view,
                          buffers=(), ptrs=self.ptrs, pieces=self.pieces, inner=self.inner)
