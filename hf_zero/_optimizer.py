@@ -533,14 +533,14 @@ def _collected(binding, comm: Comm) -> None:
     """An optimizer was collected (never at exit): its binding ends, and the completed works of its last
     collectives, which hold its buffers, are let go."""
     binding.close()
-    comm.release_completed_works(drop_scratch=True)
+    comm.release_completed_works(drop_scratch=True, at_end=True)
 
 
 def _own_storage(opt: ZeroBucketOptimizer) -> None:
     """See [Note: params own their storage after a run] in _partition.py."""
     opt.wait_param_sync()
     if opt._partition is not None:
-        opt._comm.release_completed_works(drop_scratch=True)  # the last syncs' works hold the buffers
+        opt._comm.release_completed_works(drop_scratch=True, at_end=True)  # the last syncs' works hold the buffers
         opt._partition = opt._partition.without_buffers(opt._table.params)
 
 
