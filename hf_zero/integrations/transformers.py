@@ -388,9 +388,10 @@ class ZeroBucketCallback(TrainerCallback):
       the sharded state (any number of processes), from the resumed checkpoint; a
       Trainer with another optimizer (``--optim adamw_torch``) resuming such a
       checkpoint gets the plain state dict built from those files;
-    - at train end it unbinds the optimizer (``optimizer.unbind()``): the model keeps no
-      hook or attribute of hf_zero's, so a later Trainer on it (or a second ``train()``)
-      binds it afresh;
+    - at train end, and when ``train()`` raises (an interrupt, an error in a step or a
+      callback), it unbinds the optimizer (``optimizer.unbind()``): the model keeps no
+      hook or attribute of hf_zero's and its params own their storage, so a later Trainer
+      on it (or a second ``train()``) binds it afresh and any saver takes it;
     - it adds ZeRO facts (per-rank trainable elements and optimizer-state bytes,
       rebuild count) to ``state.log_history`` at train begin and after each rebuild,
       and to the next logged line.
