@@ -131,9 +131,9 @@ def template_model(spec: dict, dtype: str = "float32"):
     return model.to(getattr(torch, dtype))
 
 
-def build_contender(name: str, template, *, visible_all_reduce: bool):
-    """A fresh model under DDP and its optimizer. ``visible_all_reduce``: DDP's own all-reduce
-    goes through torch's Python ``allreduce_hook`` (counting only)."""
+def build_contender(name: str, template, *, visible_all_reduce: bool, device=None):
+    """A fresh model under DDP and its optimizer (on ``device``: default the template's). ``visible_all_reduce``:
+    DDP's own all-reduce goes through torch's Python ``allreduce_hook`` (counting only)."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -142,7 +142,7 @@ def build_contender(name: str, template, *, visible_all_reduce: bool):
     from hf_zero import ZeroBucketOptimizer
 
     family, grad_reduce, overlap = CONTENDERS[name]
-    model = copy.deepcopy(template)
+    model = copy.deepcopy(template) if device is None else copy.deepcopy(template).to(device)
     model.train()
     if family == "hf_zero_stage2":  # no DDP: the model is what the loop calls
         opt = ZeroBucketOptimizer(list(model.named_parameters()), torch.optim.AdamW, lr=LR, fused=True, stage=2)

@@ -34,6 +34,8 @@ RESULTS = {
     "memory_trainer": ("memory_trainer_n2", "memory_trainer_n4"),
     "memory_accumulation": ("memory_accumulation_n2",),
     "memory_checkpoints": ("memory_checkpoints_n2",),
+    # GPU runs of python -m benchmarks.gpu_bench, as many as are published (none: the section says so)
+    "gpu": tuple(sorted(p.stem for p in RESULTS_DIR.glob("gpu_*.json"))),
 }
 
 MIB = 2**20
@@ -303,6 +305,89 @@ def memory_checkpoints() -> list[str]:
     return out + ["", "(rank 0 / rank 1.) Produced by:", ""] + provenance(res) + [""]
 
 
+_GPU_NAMES = {
+    "ddp_adamw_fused": "DDP + fused AdamW (baseline)",
+    "hf_zero_stage1": "hf_zero stage 1",
+    "hf_zero_stage2": "hf_zero stage 2",
+    "deepspeed_zero2": "DeepSpeed ZeRO-2",
+}
+
+
+def gpu_table(runs: list[dict]) -> list[str]:
+    """The rows of GPU runs of ``python -m benchmarks.gpu_bench``, and where each was made."""
+    out = ["| model | weights | GPUs | run | ms per iteration | vs DDP, median [min, max] | peak MiB per rank "
+           "(above start) | vs DDP |", "|---|---|---|---|---|---|---|---|"]
+    for res in runs:
+        cfg = res["config"]
+        head = (f"{gpt2_size(cfg['model'])}, {res['model']['params']:,} params; batch {cfg['batch']} x {cfg['seq']} "
+                f"| {cfg['dtype']} | {cfg['world_size']}")
+        for name, label in _GPU_NAMES.items():
+            row = res["contenders"].get(name)
+            if row is None:
+                why = res["skipped"].get(name, "not run")
+                out.append(f"| {head} | {label} | skipped: {why} | | | |")
+                continue
+            vs = row["vs_baseline"]
+            peak, above = row["peak_bytes_per_rank"], row["above_start_bytes_per_rank"]
+            mem = "-" if peak is None else f"{max(peak) / MIB:.0f} ({max(above) / MIB:.0f})"
+            ratio = "-" if row["memory_vs_baseline"] is None else f"{row['memory_vs_baseline']:.3f}"
+            out.append(f"| {head} | {label} | {row['iteration_ms_median']:.1f} | "
+                       f"{vs['median']:.3f} [{vs['min']:.3f}, {vs['max']:.3f}] | {mem} | {ratio} |")
+    out += ["", "Produced by:", ""]
+    for res in runs:
+        env = res["env"]
+        where = (f"{env['gpus']} x {env['gpu']}, CUDA {env['cuda']}, NCCL {env['nccl']}" if env.get("gpu")
+                 else f"{env['cpu']}, CPU only, gloo (a dry run)")
+        ds = f", DeepSpeed {env['deepspeed']}" if env.get("deepspeed") else ""
+        out += [f"- `{command(res)}`  ", f"  {where}; Python {env['python']}, torch {env['torch']}, "
+                f"transformers {env['transformers']}{ds}; commit `{env['git']}`"]
+    return out
+
+
+GPU_HOWTO = """Two commands, on a machine with CUDA, from a checkout with `pip install -e '.[bench]'`:
+
+```bash
+python -m benchmarks.gpu_check --out gpu_out                                           # correctness, host syncs
+torchrun --standalone --nproc-per-node gpu -m benchmarks.gpu_bench --model gpt2 --dtype bfloat16   # time, memory
+```
+
+`gpu_check` (one GPU or more, about a minute) trains hf_zero's stage 1 and stage 2 on CUDA
+tensors (float64, fp32, bf16 params with fp32 masters, bf16 autocast, accumulation, clipping,
+the overlapped sync) and compares every param and optimizer state with DDP + torch's AdamW.
+It then runs each case's steady steps under `torch.cuda.set_sync_debug_mode("error")`, so a
+host sync hidden in a step fails it. It writes `gpu_out/gpu_check.json` and exits 1 on a
+failure. With one GPU those steps run on one NCCL rank, where hf_zero leaves out its cross-rank
+collectives; two GPUs check those too.
+
+`gpu_bench` runs one process per GPU (1 to 8; `--nproc-per-node N` for fewer) over NCCL: DDP +
+fused AdamW (Trainer's default `adamw_torch_fused`), hf_zero stage 1 and stage 2, and DeepSpeed
+ZeRO-2 when `deepspeed` imports (left out, with the reason, otherwise). It reports the time per
+iteration (CUDA events, the slowest rank, paired rounds) and `torch.cuda.max_memory_allocated()`
+per rank, on a GPT-2 built from a config (`--model gpt2` to `gpt2-xl`, `--dtype float32` or
+`bfloat16`), and writes `benchmarks/results/gpu_<model>_<dtype>_n<GPUs>.json`, which
+`python -m benchmarks.render` then puts in a table here. `python -m benchmarks.gpu_bench --help`
+lists the options; `--device cpu` makes either command a dry run on gloo.
+"""
+
+
+def gpu() -> list[str]:
+    runs = [load(s) for s in RESULTS["gpu"]]
+    for stem, res in zip(RESULTS["gpu"], runs):
+        if res["config"].get("dry_run") or not res["env"].get("gpu"):
+            raise ValueError(f"benchmarks/results/{stem}.json is a CPU dry run, not a GPU result")
+    out = ["## On GPUs", ""]
+    if runs:
+        out += ["Iteration time and peak CUDA memory per rank, one process per GPU over NCCL. Time: median "
+                "over rounds, and the ratio to DDP + fused AdamW in the same round; memory: the most loaded "
+                "rank's `torch.cuda.max_memory_allocated()`, and in brackets its peak above what was allocated "
+                "before the contender was built, whose ratio to DDP's is the last column.", ""]
+        out += gpu_table(runs) + [""]
+    else:
+        out += ["Not measured yet: every figure above comes from CPUs with gloo. "
+                "These commands make the GPU figures.", ""]
+    return out + [GPU_HOWTO]
+
+
 INTRO = """# Benchmarks
 
 Generated by `python -m benchmarks.render` from the JSON files in `benchmarks/results/`
@@ -310,9 +395,16 @@ Generated by `python -m benchmarks.render` from the JSON files in `benchmarks/re
 Do not edit this page; `tests/test_benchmarks_render.py` fails when it and the JSON disagree.
 
 The machines these ran on are shared CPUs, so time is given as ratios of paired rounds (each
-optimizer run back to back in the same round), never as absolute speed; memory is resident
-bytes, which load does not change. GPU (NCCL) throughput has not been measured.
+optimizer run back to back in the same round), never as absolute speed; memory is the
+processes' resident host memory (RSS), which load does not change, not GPU memory. {gpu}
 """
+
+
+def gpu_status() -> str:
+    if RESULTS["gpu"]:
+        return "GPU runs (NCCL) are in [On GPUs](#on-gpus); every other figure comes from CPUs with gloo."
+    return ("Every figure on this page comes from CPUs with gloo: none has been measured on a GPU yet "
+            "([On GPUs](#on-gpus) gives the commands).")
 
 REPRODUCE = """## How to reproduce
 
@@ -334,46 +426,70 @@ list every row and option.
 
 
 def page() -> str:
-    parts = [INTRO]
-    for table in (trainer_time, memory_raw, memory_at_peak, memory_trainer, raw_time_bytes, memory_accumulation, memory_checkpoints):
+    parts = [INTRO.format(gpu=gpu_status())]
+    for table in (trainer_time, memory_raw, memory_at_peak, memory_trainer, raw_time_bytes, memory_accumulation,
+                  memory_checkpoints, gpu):
         parts.append("\n".join(table()))
     parts.append(REPRODUCE)
     return "\n".join(parts)
 
 
 def readme_table() -> str:
-    """The README's headline table: memory (plain loops, N = 2) and time under Trainer (batch 4)."""
-    mem = load("memory_raw_n2")
+    """The README's headline tables: host memory of plain CPU loops (N = 2; bf16 also at N = 4) and time under
+    Trainer (batch 4), each against its own baseline, with one short line saying how each was made (the full
+    commands, spread and machine are on docs/benchmarks.md)."""
+    mem, mem4 = load("memory_raw_n2"), load("memory_raw_n4")
     tt = {load(s)["config"]["dtype"]: load(s) for s in RESULTS["trainer_time"]}
-    mem_cmd = f"`{command(mem)}`"
-    time_cmds = {d: f"`{command(r)}`" for d, r in tt.items()}
+
+    def above(res, row):
+        return max(res["memory"][row]["above_baseline_per_rank"]) / MIB
 
     def mem_cell(row):
-        return f"{max(mem['memory'][row]['above_baseline_per_rank']) / MIB:.0f} MiB"
+        return f"{above(mem, row):.0f} MiB"
+
+    def state(row):  # bytes per param of optimizer state and masters on a rank (the paper's count)
+        b = mem["memory"][row]["breakdown"]
+        return f"{b.get('optimizer state', 0) + b.get('fp32 masters', 0):g}"
 
     def time_cell(dtype, key):
         b = tt[dtype]["trainer"]["batches"]["4"]
         stats = b["vs"]["adamw_torch_fused"] if key == "stage1" else b["stage2_vs"]["adamw_torch_fused"]
         return f"{stats['ratio_median']:.3f}x"
 
+    n, n4 = mem["config"]["world_size"], mem4["config"]["world_size"]
     lines = [
         README_BEGIN,
         "",
-        "| | DDP + AdamW (Trainer's default) | hf_zero stage 1 | hf_zero stage 2 | produced by |",
-        "|---|---|---|---|---|",
-        f"| peak memory per rank, fp32 | {mem_cell('raw_ddp_adamw')} | {mem_cell('raw_stage1')} | "
-        f"{mem_cell('raw_stage2')} | {mem_cmd} |",
-        f"| peak memory per rank, bf16 model | {mem_cell('raw_ddp_adamw_bf16')} | {mem_cell('raw_stage1_bf16')} | "
-        f"{mem_cell('raw_stage2_bf16')} | "
-        f"{mem_cmd} |",
-        f"| Trainer iteration time vs its default, fp32 | 1x | {time_cell('float32', 'stage1')} | "
-        f"{time_cell('float32', 'stage2')} | {time_cmds['float32']} |",
-        f"| Trainer iteration time vs its default, bf16 | 1x | {time_cell('bfloat16', 'stage1')} | "
-        f"{time_cell('bfloat16', 'stage2')} | {time_cmds['bfloat16']} |",
+        f"Peak host memory (RSS) per rank of CPU processes, not GPU memory: {gpt2_size(mem['config']['raw_model'])}, "
+        f"{mem['memory']['raw_ddp_adamw']['params'] / 1e6:.0f}M params, {n} ranks, plain training loops, the peak "
+        "above what the process held before the model was built.",
         "",
-        f"Memory: GPT-2 124M, 2 ranks, plain loops, the peak above what the process held before the model. Time: GPT-2 {tt['float32']['model']['params'] / 1e6:.1f}M, "
-        "2 ranks, batch 4, median of paired rounds against Trainer's default `adamw_torch_fused` (DDP); "
-        "CPU with gloo. Every figure, its spread and machine: [docs/benchmarks.md](docs/benchmarks.md).",
+        "| weights | DDP + AdamW | hf_zero stage 1 | hf_zero stage 2 |",
+        "|---|---|---|---|",
+        f"| fp32 | {mem_cell('raw_ddp_adamw')} | {mem_cell('raw_stage1')} | {mem_cell('raw_stage2')} |",
+        f"| bf16 model | {mem_cell('raw_ddp_adamw_bf16')} (bf16 moments, no masters) | "
+        f"{mem_cell('raw_stage1_bf16')} (fp32 moments and masters) | {mem_cell('raw_stage2_bf16')} (fp32 moments "
+        "and masters) |",
+        "",
+        f"The bf16 rows differ in precision as well as sharding: the DDP baseline keeps its AdamW moments in bf16 "
+        f"and no fp32 master weights ({state('raw_ddp_adamw_bf16')} bytes per param on every rank), hf_zero keeps "
+        f"fp32 moments and masters for the params a rank owns ({state('raw_stage1_bf16')} bytes per param at N = "
+        f"{n}; `master_weights=False` keeps bf16 moments as the baseline does)"
+        + (f". So at N = {n} stage 1 holds more than DDP" if above(mem, "raw_stage1_bf16") > above(mem, "raw_ddp_adamw_bf16")
+           else "")
+        + f"; at N = {n4}, {above(mem4, 'raw_stage1_bf16'):.0f} MiB against {above(mem4, 'raw_ddp_adamw_bf16'):.0f}.",
+        "",
+        f"Iteration time under Trainer, against Trainer's default optimizer `adamw_torch_fused` (DDP): GPT-2 "
+        f"{tt['float32']['model']['params'] / 1e6:.1f}M, {tt['float32']['config']['world_size']} ranks, batch 4, "
+        "median of paired rounds, CPU with gloo.",
+        "",
+        "| weights | `adamw_torch_fused` (Trainer's default) | `zero_bucket` stage 1 | `zero_bucket` stage 2 |",
+        "|---|---|---|---|",
+        f"| fp32 | 1x | {time_cell('float32', 'stage1')} | {time_cell('float32', 'stage2')} |",
+        f"| bf16 | 1x | {time_cell('bfloat16', 'stage1')} | {time_cell('bfloat16', 'stage2')} |",
+        "",
+        "Made with `python -m benchmarks.memory` and `python -m benchmarks.e2e --trainer-only`; every figure with "
+        "its exact command, spread and machine: [docs/benchmarks.md](docs/benchmarks.md).",
         "",
         README_END,
     ]

@@ -51,7 +51,7 @@ def valid_grads(table: ParamTable, chosen: set[int], pieces: list[Piece], partia
     rank's ranges (``pieces``) for the ``partial`` ones, reduce-scattered (scaling the
     rest, which only holds this rank's own contribution, would be a wasted pass).
     ``grad_of`` (stage 2's ShardedGrads: grads live in shards, not ``.grad``): only ``pieces``, those of
-    params no rank had a grad for included (they hold zeros: [Note: agreeing on presence] in _stage2.py)."""
+    params no rank had a grad for included (they hold zeros: [Note: agreeing on presence] in _stage2/grads.py)."""
     if grad_of is not None:
         return [g for g in (grad_of.held(pc) for pc in pieces if pc.index in chosen) if g is not None]
     owned: dict[int, list[Piece]] = {}
@@ -113,7 +113,7 @@ def clip_norm(comm: Comm, table: ParamTable, chosen: set[int], pieces: list[Piec
 
 def _all_reduced(comm: Comm, total: torch.Tensor, op: str, grad_of) -> torch.Tensor:
     """``total`` (a float64 scalar) all-reduced with ``op``; under stage 2 the presence flags ride along
-    ([Note: agreeing on presence] in _stage2.py)."""
+    ([Note: agreeing on presence] in _stage2/grads.py)."""
     if grad_of is None:
         return comm.all_reduce_(total, op=op, what="the gradient norm")
     return grad_of.all_reduce_along(total, op=op, what="the gradient norm")

@@ -37,7 +37,7 @@ class GradientPath:
     """See [Note: gradient path protocol]. ``facts``: the optimizer's (held weakly) param
     table and current layout; ``grad_reduce`` / ``overlap_param_sync``: its constructor's.
     ``stage``: 1, DDP reduces (through the comm hook when reduce-scattering); 2, hf_zero's
-    own reducer (``_stage2.py``), bound to the model with :meth:`bind_module`; ``accumulate_dtype``: its
+    own reducer (the ``_stage2`` package), bound to the model with :meth:`bind_module`; ``accumulate_dtype``: its
     shards' (``_stage2.accumulate_dtype``)."""
 
     def __init__(self, comm: Comm, *, facts: Callable[[], tuple], grad_reduce: str,

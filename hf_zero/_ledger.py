@@ -68,14 +68,22 @@ class MemoryLedger:
         return sum(getattr(self, c) for c in MODEL_STATES)
 
     @property
+    def peak_model_states(self) -> int:
+        """The sum of the model-state categories' peaks: after a step, what a steady step holds just before
+        its optimizer step (the grads then, the optimizer state after the first step)."""
+        return sum(self.peaks.get(c, 0) for c in MODEL_STATES)
+
+    @property
     def peak_total(self) -> int:
         """The sum of the categories' peaks (an upper bound of the peak of their sum)."""
         return sum(self.peaks.get(c, 0) for c in CATEGORIES)
 
     def as_dict(self) -> dict:
-        """Plain values: each category, ``total``, ``model_states``, ``peak_total`` and ``peaks``."""
+        """Plain values: each category, ``total``, ``model_states``, ``peak_model_states``, ``peak_total`` and
+        ``peaks``."""
         out = asdict(self)
-        out.update(total=self.total, model_states=self.model_states, peak_total=self.peak_total)
+        out.update(total=self.total, model_states=self.model_states, peak_model_states=self.peak_model_states,
+                   peak_total=self.peak_total)
         return out
 
     def format(self) -> str:

@@ -150,14 +150,16 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
             (else call :meth:`wait_param_sync`). ``None``: the integration's choice (off by default).
         master_weights: ``"auto"`` (default) or ``True``: bf16/fp16 params step through
             sharded fp32 masters, saved as state ``"master_param"``; ``False``: pure
-            16-bit steps. fp16 params use a ``GradScaler`` under stage 2 only (fp32 shards). See ``_masters.py``.
+            16-bit steps. fp16 params use a ``GradScaler`` under stage 2 only, with ``grad_accum_dtype="fp32"``
+            (docs/precision.md).
         stage: ``2`` shards grads too (no DDP: :meth:`bind_module`, docs/stage2.md); default ``1``.
-        grad_accum_dtype: stage 2's 16-bit grad shards: ``"param"`` (``"auto"``) or ``"fp32"`` (_stage2.py).
+        grad_accum_dtype: stage 2's grad shards of 16-bit params: in their dtype (``"param"``, and ``"auto"``, the default)
+            or in float32 (``"fp32"``: 2/N bytes per param more; docs/stage2.md).
         state_dict_params: ``"all"`` (default) or ``"trainable"``: state dicts list only params that require grad.
         **defaults: hyperparameters for ``optimizer_class``.
 
     Buffers are built at the first :meth:`step` and checked at every step. Every method that says *collective*
-    must be called on all ranks. Integrations use only the protocol in docs/architecture.md.
+    must be called on all ranks.
     """
 
     def __init__(
@@ -197,7 +199,6 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
                                   shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view,
                                   accumulate_dtype=accumulate)
-        # collected, it leaves the model as it found it and nothing holds its buffers ([Note: a binding ends with its run])
         weakref.finalize(self, _collected, self._grad.binding, self._comm).atexit = False
         self._ready = True
 
@@ -359,9 +360,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
                                local_accumulation=local_accumulation)
 
     def unbind(self) -> None:
-        """Remove every hook and attribute hf_zero put on the model, and give each param its own storage (the buffers
-        are freed): as if never bound, any saver takes it; it may be bound again (the next step rebuilds, moving no
-        state). Not a collective. Trainer / Accelerate call it when training ends or fails; collected, the hooks go."""
+        """Remove hf_zero's hooks and attributes from the model, give each param its own storage (buffers freed): as if never
+        bound; bind again at will (the next step rebuilds). Not a collective; Trainer / Accelerate call it at the end."""
         self._grad.unbind()
         _own_storage(self)
 
@@ -434,7 +434,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
 
     def memory_ledger(self, *, reset_peaks: bool = False) -> MemoryLedger:
         """The bytes hf_zero holds on this rank now, by holder, with each one's peak since the last reset
-        ([Note: memory ledger] in ``_ledger.py``); ``reset_peaks``: start the peaks afresh after. Not a collective."""
+        (params, DDP's buckets or full grads, grad shards, reduce buckets, fp32 masters, optimizer state, scratch);
+        ``reset_peaks``: start the peaks afresh after. Not a collective."""
         return _ledger_of(self, reset_peaks)
 
     # -- state dict ------------------------------------------------------------------
@@ -491,7 +492,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, Joinable):
     # -- sharded checkpoints -----------------------------------------------------------
     def save_sharded(self, path: str | os.PathLike) -> None:
         """Write a sharded checkpoint to directory ``path`` (its own, seen by all ranks), each rank its own state, no
-        gather; atomic. Collective. Format: :mod:`hf_zero._sharded`."""
+        gather; atomic. Collective. The layout: docs/checkpoints.md."""
         self._table.check_agreement(self._comm)
         self._lifecycle.check_pending()
         _lifecycle.write_sharded(self, self._comm, self._table, self._holdings(), path)

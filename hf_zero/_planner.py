@@ -240,9 +240,9 @@ def plan(
     a view of DDP's bucket) and at most one bucket (``bucket_cap_mb``) of
     reduce-scatter scratch. ``stage=2``: each rank holds only its shard of the grads
     (the owned ranges of stage 2's buckets, in the params' dtype unless
-    ``grad_accum_dtype="fp32"``, the optimizer's option, widens 16-bit ones) and up to
-    two (gloo) or three (NCCL) reduce buckets of ``bucket_cap_mb`` during the backward
-    (docs/stage2.md); the report then has ``stage``, ``reduce_bucket_bytes`` and each
+    ``grad_accum_dtype="fp32"``, the optimizer's option, widens 16-bit ones) and, during the
+    backward, the two (gloo) or three (NCCL) largest reduce buckets, each at most ``bucket_cap_mb``
+    except a param above it, a bucket of its own (docs/stage2.md); the report then has ``stage``, ``reduce_bucket_bytes`` and each
     hf_zero plan's ``grad_shard_bytes_per_rank``.
     """
     if stage not in (1, 2):
@@ -275,11 +275,13 @@ def plan(
     total = sum(p.numel for p in params)
     train_numel = sum(p.numel for p in trainable)
     unsharded_state = sum(_owned_bytes(p.shape, p.numel, optimizer, state_itemsize, masters) for p in trainable)
-    scratch = min(int(bucket_cap_mb * 2**20), train_numel * itemsize) if world_size > 1 else 0
     buckets = plan_buckets(specs, int(bucket_cap_mb * 2**20)) if stage == 2 else None
     grads = train_numel * itemsize if stage == 1 else 0
-    in_flight = buckets_in_flight(default_strategy(backend).reduce_scatter_by)
-    reduce_buckets = min((in_flight + 1) * int(bucket_cap_mb * 2**20), train_numel * itemsize) if stage == 2 else 0
+    ledger = predict_ledger(specs, world_size=world_size, stage=stage, optimizer=optimizer, shard=shards[0],
+                            master_weights=masters, bucket_cap_mb=bucket_cap_mb, shapes=[p.shape for p in params],
+                            grad_accum_dtype=grad_accum_dtype)
+    scratch, reduce_buckets = _transient_bytes(ledger, stage=stage, world_size=world_size, bucket_cap_mb=bucket_cap_mb,
+                                               grad_bytes=train_numel * itemsize)
     report = {
         "schema": SCHEMA,
         "model": {
@@ -326,9 +328,7 @@ def plan(
         p["bytes_per_param"] = p["max_rank_bytes"] / total if total else 0.0
     report["references"] = _references(total, train_numel, world_size, dtype, optimizer,
                                        {**REFERENCES, **(REFERENCES_STAGE2 if stage == 2 else {})})
-    shapes = [p.shape for p in params]
-    report["ledger"] = predict_ledger(specs, world_size=world_size, stage=stage, optimizer=optimizer, shard=shards[0],
-                                      master_weights=masters, bucket_cap_mb=bucket_cap_mb, shapes=shapes)
+    report["ledger"] = ledger
     report["ledger"]["shard"] = shards[0]
     return report
 
@@ -353,8 +353,9 @@ def fits(params: Sequence[NamedParam], *, world_size: int, device_memory: int, a
          optimizer: str = "adamw", grad_accum_dtype: str = "auto") -> dict[str, Any]:
     """Which of hf_zero stage 1, stage 2 or FSDP2 fits ``device_memory`` bytes per rank for ``params`` on
     ``world_size`` ranks. Each option's bytes: model states as :func:`predict_ledger` predicts them, plus what
-    it holds besides at its peak: stage 1, one bucket of reduce-scatter scratch; stage 2, its reduce buckets
-    (the ``in_flight + 1`` largest of :func:`predict_ledger`, a tied embedding's grad among them); FSDP2 (fp32 sharded params,
+    it holds besides at its peak, as the table counts it (:func:`_transient_bytes`): one bucket of
+    reduce-scatter scratch, and at stage 2 its reduce buckets (the ``in_flight + 1`` largest of
+    :func:`predict_ledger`, a param above the cap being one, e.g. an embedding); FSDP2 (fp32 sharded params,
     grads and AdamW state, a 16-bit model computing through ``MixedPrecisionPolicy``), the unsharded params
     alive at once: all of them without resharding, else the root's and two blocks' (one computing, one
     prefetched), blocks being the numbered modules. ``activations``: added to every option when given;
@@ -363,7 +364,6 @@ def fits(params: Sequence[NamedParam], *, world_size: int, device_memory: int, a
     specs = [ParamSpec(p.numel, dtype, "cuda", p.trainable) for p in params]
     masters = master_weights and itemsize < 4
     shapes = [p.shape for p in params]
-    cap = int(bucket_cap_mb * 2**20)
     total = sum(p.numel for p in params)
     train = sum(p.numel for p in params if p.trainable)
     options: dict[str, dict] = {}
@@ -371,7 +371,8 @@ def fits(params: Sequence[NamedParam], *, world_size: int, device_memory: int, a
         led = predict_ledger(specs, world_size=world_size, stage=stage, optimizer=optimizer, master_weights=masters,
                              bucket_cap_mb=bucket_cap_mb, shapes=shapes,
                              grad_accum_dtype=grad_accum_dtype if stage == 2 else "auto")
-        extra = led["bucket_bounds"]["buckets_in_flight"] if stage == 2 else min(cap, train * itemsize)
+        extra = sum(_transient_bytes(led, stage=stage, world_size=world_size, bucket_cap_mb=bucket_cap_mb,
+                                     grad_bytes=train * itemsize))
         options[f"hf_zero_stage{stage}"] = {"model_states": led["model_states"], "transient": extra}
     blocks: dict[str, int] = {}
     for p in params:
@@ -389,6 +390,17 @@ def fits(params: Sequence[NamedParam], *, world_size: int, device_memory: int, a
             "choice": next((n for n, o in options.items() if o["fits"]), None),
             "note": "activations included" if activations is not None else
                     "activations not included: add --activation-memory (they depend on batch, sequence and checkpointing)"}
+
+
+def _transient_bytes(ledger: dict, *, stage: int, world_size: int, bucket_cap_mb: float,
+                     grad_bytes: int) -> tuple[int, int]:
+    """What a rank holds besides its model states at the backward's peak, for :func:`predict_ledger`'s
+    ``ledger`` (``grad_bytes``: the trainable params' bytes): one bucket of reduce-scatter scratch (0 at one
+    rank), and at stage 2 the reduce buckets alive at once, its ``bucket_bounds["buckets_in_flight"]`` (a param
+    above the cap is a bucket of its own, reduced in its grad's storage: [Note: stage 2 reducer] in _stage2.py).
+    The table and the fit check both count this."""
+    scratch = min(int(bucket_cap_mb * 2**20), grad_bytes) if world_size > 1 else 0
+    return scratch, ledger["bucket_bounds"]["buckets_in_flight"] if stage == 2 else 0
 
 
 def format_fits(f: dict) -> str:

@@ -329,6 +329,21 @@ class _Piece:
     state: dict
 
 
+def _no_checkpoint(path: str) -> ValueError:
+    """Why ``path`` holds no committed checkpoint, in the words that send the user the right way."""
+    if not os.path.exists(path):
+        return ValueError(f"hf_zero: {path!r} does not exist: check the path (a sharded optimizer checkpoint is a "
+                          f"directory holding {COMMIT_FILE})")
+    if not os.path.isdir(path):
+        return ValueError(f"hf_zero: {path!r} is a file, not a sharded optimizer checkpoint (a directory holding "
+                          f"{COMMIT_FILE}); a plain optimizer state dict loads with load_state_dict")
+    if any(_SHARD_RE.match(name) for name in os.listdir(path)):
+        return ValueError(f"hf_zero: {path!r} holds no sharded optimizer checkpoint (no {COMMIT_FILE}) but holds "
+                          "shard files: a save into it was interrupted before its commit; resume from the previous "
+                          "checkpoint")
+    return ValueError(f"hf_zero: {path!r} holds no sharded optimizer checkpoint (no {COMMIT_FILE}): check the path")
+
+
 class Checkpoint:
     """A committed sharded checkpoint, read lazily: only the ranges asked for."""
 
@@ -336,10 +351,7 @@ class Checkpoint:
         self.path = os.fspath(path)
         record_path = os.path.join(self.path, COMMIT_FILE)
         if not os.path.isfile(record_path):
-            raise ValueError(
-                f"hf_zero: {self.path!r} holds no sharded optimizer checkpoint (no {COMMIT_FILE}); "
-                "was the save interrupted before its commit?"
-            )
+            raise _no_checkpoint(self.path)
         with open(record_path) as f:
             try:
                 record = json.load(f)

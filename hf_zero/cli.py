@@ -64,6 +64,20 @@ def _inspect(args) -> int:
     return 0
 
 
+_PLAN_DESCRIPTION = """\
+Per-rank memory, balance and collectives of a fine-tune, before launching it.
+
+The model is built on the meta device from its Hugging Face config (no weights, no
+download) and planned by the layout planner the optimizer uses at run time, for
+hf_zero's flat and param sharding, next to torch's ZeroRedundancyOptimizer
+partition of the same params (whole params, largest first, frozen params counted
+at full size) and the published accountings. --device-memory adds which of hf_zero
+stage 1, stage 2 and FSDP2 fits a device.
+
+The JSON report (--json) names its layout in its "schema" field; the report and
+every flag are described in the docs (docs/planner.md, docs/reference/cli.md)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-zero", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import _planner as planner
 
     plan = sub.add_parser("plan", help="per-rank optimizer memory and balance of a fine-tune, before launching it",
-                          description=planner.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                          description=_PLAN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     planner.add_arguments(plan)
     plan.set_defaults(handler=_plan)
 
@@ -92,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     merge.add_argument("checkpoint", help="directory written by optimizer.save_sharded(), or a Trainer / Accelerate "
                        "checkpoint directory or its optimizer.pt / optimizer.bin (a sharded reference is followed to "
-                       "the directory carrying its token)")
+                       "its sharded files, also in a moved or copied checkpoint)")
     merge.add_argument("output", nargs="?", help="file to write (written atomically)")
     merge.add_argument("--weights", metavar="OUT",
                        help="instead write float32 model weights (as DeepSpeed's zero_to_fp32.py): each weight of the "

@@ -46,7 +46,7 @@ SLOW_MODULES = frozenset({
     "test_memory", "test_reduce_scatter", "test_bf16_models", "test_overlap", "test_stage2",
     "test_masters_edits", "test_stage2_graph", "test_stage2_hf", "test_stage2_compile",
     "test_stage2_join", "test_run_clm", "test_stage2_accumulation", "test_stage2_semantics", "test_peft_clip",
-    "test_frozen_resume", "test_ledger", "test_binding", "test_takeover",
+    "test_frozen_resume", "test_ledger", "test_binding", "test_fsdp_interop", "test_gpu_dry_run", "test_takeover",
 })
 
 

@@ -417,6 +417,8 @@ def stage2_memory_trace(model, rank: int, *, layer_bytes: int, steps: int = 3, s
     stage 2 with one-layer buckets; per backward: every p.grad freed, reduce-bucket bytes in use after,
     the most held during (the pool's included), the bytes the pool keeps after, (the shards' bytes,) the
     bucket count. ``groups``: the optimizer's param groups (``param_groups``)."""
+    from hf_zero._stage2 import memory as stage2_memory
+
     opt = make_zero(Setup(groups=groups), model, stage=2)
     opt.bind_module(model, bucket_cap_mb=layer_bytes / (1 << 20))
     reducer = opt.gradient_path.stage2
@@ -424,7 +426,7 @@ def stage2_memory_trace(model, rank: int, *, layer_bytes: int, steps: int = 3, s
     for step in range(steps):
         g = torch.Generator().manual_seed(step * 10 + rank)
         model(torch.randn(4, 32, generator=g, dtype=torch.float64)).backward()
-        held = (sum(s.nbytes for s in reducer._shards if s is not None),) if shards else ()
+        held = (stage2_memory(reducer)["grad_shards"],) if shards else ()
         seen.append((holds_no_grads(model.parameters()), reducer.bucket_bytes,
                      reducer.peak_bucket_bytes, reducer.held_bucket_bytes, *held, len(opt.gradient_path.wanted_buckets)))
         opt.step()
@@ -446,7 +448,7 @@ def reference_clip(model, case, norms: list) -> None:
 
 def holds_grad(p) -> bool:
     """Whether ``p.grad`` holds a gradient: not None, nor stage 2's stand-in for its sharded grad (an
-    expanded single element, [Note: p.grad stands in for the shards] in hf_zero/_stage2.py)."""
+    expanded single element, [Note: p.grad stands in for the shards] in hf_zero/_stage2/stand_ins.py)."""
     g = p.grad
     return g is not None and not (g._is_view() and g._base.dim() == 0 and g.untyped_storage().nbytes() == g.element_size())
 

@@ -81,4 +81,9 @@ def test_cli_errors_name_the_problem(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "holds no sharded optimizer checkpoint" in capsys.readouterr().err
     assert main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "x.pt")]) == 2
-    assert "hf-zero consolidate: error" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "hf-zero consolidate: error" in err and "does not exist: check the path" in err
+    assert "interrupted" not in err  # a mistyped path is not sent looking for an interrupted save
+    (tmp_path / "shard-0a1b-rank00000-of-00002.safetensors").write_bytes(b"")  # a save killed before its commit
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "interrupted before its commit" in capsys.readouterr().err

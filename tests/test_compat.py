@@ -9,6 +9,8 @@ import dataclasses
 import enum
 import importlib.util
 import inspect
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,13 +34,156 @@ def _args(tmp_path, **kw):
     return TrainingArguments(str(tmp_path), report_to=[], use_cpu=True, **kw)
 
 
-def test_installed_version_is_in_the_declared_range():
-    from importlib.metadata import requires
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _requirement(name: str):
+    """setup.cfg's install_requires entry for ``name`` (the source, not the installed metadata)."""
+    import configparser
 
     from packaging.requirements import Requirement
 
-    spec = next(Requirement(r) for r in requires("hf_zero") if Requirement(r).name == "transformers")
-    assert transformers.__version__ in spec.specifier, (transformers.__version__, str(spec))
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    lines = [line.strip() for line in cfg["options"]["install_requires"].splitlines() if line.strip()]
+    return next(r for r in map(Requirement, lines) if r.name == name)
+
+
+@pytest.mark.parametrize("library", ["transformers", "accelerate"])
+def test_tested_range_is_setup_cfgs_lower_bound_and_cis_pin(library):
+    """[Note: the tested range]: setup.cfg's lower bound is the low end CI tests (.ci/floor installs it), there is
+    no upper bound (a newer release installs, and hf_zero warns), .ci/constraints.txt pins the high end .ci/run
+    installs, and the installed version is one CI tests (this test runs in both)."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    low, high = _compat.TESTED[library]
+    spec = _requirement(library).specifier
+    assert [(s.operator, s.version) for s in spec] == [(">=", low)], str(spec)
+    pins = [Requirement(line) for line in (ROOT / ".ci" / "constraints.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    assert [str(r.specifier) for r in pins if r.name == library] == [f"=={high}"]
+    if library == "transformers":  # the range the troubleshooting page quotes
+        assert f"tested with transformers {low} to {high}" in (ROOT / "docs" / "troubleshooting.md").read_text()
+    installed = __import__(library).__version__
+    assert Version(low) <= Version(installed) <= Version(high), (
+        f"{library} {installed} is outside the range CI tests ({low} to {high}): run the suite on it, then move "
+        "_compat.TESTED and .ci/constraints.txt (or setup.cfg's lower bound) together")
+
+
+def test_a_newer_release_warns_once_naming_the_tested_range(monkeypatch, tmp_path):
+    import accelerate
+
+    monkeypatch.setattr(_compat, "_WARNED", set())
+    monkeypatch.setattr(transformers, "__version__", "9.1.0")
+    monkeypatch.setattr(accelerate, "__version__", _compat.TESTED["accelerate"][1])  # whatever is installed
+    low, high = _compat.TESTED["transformers"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):  # two Trainers building zero_bucket in one process: one warning
+            Trainer(model=tiny_bert(), args=_args(tmp_path, optim="zero_bucket")).create_optimizer()
+        _compat.warn_untested()
+    untested = [w for w in caught if issubclass(w.category, _compat.UntestedVersionWarning)]
+    assert len(untested) == 1, [str(w.message) for w in untested]
+    message = str(untested[0].message)
+    assert f"tested with transformers {low} to {high}, not 9.1.0" in message
+    assert f"pip install 'transformers>={low},<={high}'" in message
+    # accelerate, within its range, is not named; out of it, it warns once too
+    monkeypatch.setattr(accelerate, "__version__", "9.0.0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _compat.warn_untested()
+        _compat.warn_untested()
+    assert [str(w.message).split(",")[0] for w in caught] == [
+        f"hf_zero was tested with accelerate {' to '.join(_compat.TESTED['accelerate'])}"]
+
+
+def _changed_targets():
+    """(shim, a call that meets a changed target) for every shim that patches or reads a library's internals."""
+    from types import SimpleNamespace
+
+    class Old:
+        def create_optimizer(self):
+            pass
+
+        def _load_optimizer_and_scheduler(self, path):  # renamed parameter
+            pass
+
+        def _save_optimizer_and_scheduler(self, output_dir):
+            pass
+
+        def prepare(self, objects):  # not *args
+            pass
+
+        def prepare_model(self, module, device_placement=None):  # renamed, and no evaluation_mode
+            pass
+
+        def prepare_optimizer(self, optimizer):
+            pass
+
+    class NoEvaluationMode:
+        def prepare_model(self, model, device_placement=None):
+            pass
+
+    class OldScaler(torch.amp.GradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf):
+            pass
+
+    return [
+        ("watch_trainer", lambda mp: _compat.watch_trainer(Old)),
+        ("before_optimizer_save", lambda mp: _compat.before_optimizer_save(type("T", (), {}), print)),
+        ("after_failed_train", lambda mp: _compat.after_failed_train(type("T", (), {"train": lambda self: None}), print)),
+        ("before_prepare", lambda mp: _compat.before_prepare(Old, print)),
+        ("after_prepare", lambda mp: _compat.after_prepare(Old, print)),
+        ("prepare_without_ddp", lambda mp: _compat.prepare_without_ddp(NoEvaluationMode, print)),
+        ("prepared_optimizers", lambda mp: _compat.prepared_optimizers(SimpleNamespace(_optimizers=()))),
+        ("prepared_models", lambda mp: _compat.prepared_models(SimpleNamespace())),
+        ("route_unscale", lambda mp: _compat.route_unscale(OldScaler("cpu"), print)),
+        ("add_optimizer_name", lambda mp: (mp.setattr(OptimizerNames, "_member_names_", ()),
+                                           _compat.add_optimizer_name("zero_bucket_2", member_name="ZERO_BUCKET_2"))),
+        ("register_optimizer", _changed_optimizer_dispatch),
+        ("logged_entry", _changed_trainer_log),
+        ("ddp_find_unused_parameters", _changed_checkpointing_flag),
+    ]
+
+
+def _changed_optimizer_dispatch(mp):
+    if TABLE:
+        import transformers.trainer_optimizer as trainer_optimizer
+
+        mp.setattr(trainer_optimizer, "OptimizerContext", type("OptimizerContext", (), {"__annotations__": {}}))
+    else:
+        mp.setattr(Trainer, "get_optimizer_cls_and_kwargs", staticmethod(lambda options, model=None: None))
+    _compat.register_optimizer(hf_tr.OPTIM_NAME, hf_tr._handler)
+
+
+def _changed_trainer_log(mp):
+    mp.setattr(Trainer, "log", lambda self, entries, start_time=None: None)
+    _compat.check_trainer_log.cache_clear()
+    try:
+        _compat.logged_entry(transformers.TrainerState(), {})
+    finally:
+        mp.undo()
+        _compat.check_trainer_log.cache_clear()
+
+
+def _changed_checkpointing_flag(mp):
+    name = "is_activation_checkpointing" if VERSION >= _compat.ACTIVATION_CHECKPOINTING_SINCE else "is_gradient_checkpointing"
+    mp.delattr(transformers.PreTrainedModel, name)
+    _compat.ddp_find_unused_parameters(_args("unused"), tiny_bert())
+
+
+@pytest.mark.parametrize("shim, call", _changed_targets(), ids=[shim for shim, _ in _changed_targets()])
+def test_a_shim_whose_target_changed_refuses_naming_itself_the_version_and_the_fix(monkeypatch, shim, call):
+    library = "torch" if shim == "route_unscale" else "accelerate" if "prepare" in shim else "transformers"
+    version = __import__(library).__version__
+    with pytest.raises(_compat.CompatError) as caught:
+        call(monkeypatch)
+    message = str(caught.value)
+    assert message.startswith(f"hf_zero ({shim}): {library} {version} "), message
+    if library != "torch":
+        low, high = _compat.TESTED[library]
+        assert f"pip install '{library}>={low},<={high}'" in message, message
 
 
 def test_unversioned_shims_find_what_they_rely_on(tmp_path):

@@ -169,7 +169,7 @@ def test_peaks_and_the_dataclass():
     p.reset()
     assert p.observe({"params": 3}) == {"params": 3}
     led = MemoryLedger(params=10, grad_shards=2, buckets_pooled=7, peaks={"params": 10, "buckets_pooled": 9})
-    assert led.total == 19 and led.model_states == 12 and led.peak_total == 19
+    assert led.total == 19 and led.model_states == 12 and led.peak_total == 19 and led.peak_model_states == 10
     assert "buckets_pooled 0.0 (0.0)" in led.format() and led.as_dict()["total"] == 19
 
 

@@ -595,7 +595,7 @@ def _bf16_both_stages(rank, world_size):
 
 @pytest.mark.timeout(150)
 def test_bf16_grads_divided_as_they_are_copied_in_are_stage_1s_bits_at_three_ranks():
-    """[Note: dividing as the grads come] in _stage2.py: stage 2 divides each bf16 grad by N as it
+    """[Note: dividing as the grads come] in _stage2/reducer.py: stage 2 divides each bf16 grad by N as it
     copies it into its bucket, stage 1's comm hook divides the whole bucket in place: at 3 ranks
     (1/3 inexact) both give the same bits, so the bf16 params stepped through fp32 masters do too.
     (The model's fp32 params, divided after the sum, are not compared: at 3 ranks the two stages'

@@ -1,4 +1,4 @@
-"""What stage 2 accumulates 16-bit grads in ([Note: what stage 2 accumulates in] in _stage2.py).
+"""What stage 2 accumulates 16-bit grads in ([Note: what stage 2 accumulates in] in _stage2/reducer.py).
 
 A bf16 model on 2 gloo ranks, 4 micro-batches per step, every micro-batch reduced (Trainer's
 default under stage 2). The exact grad of a step is defined on the ranks themselves: each rank

@@ -5,7 +5,7 @@ in the pre-hook), several buckets, clipping that clips. Three ways to compile, e
 same loop uncompiled and against one process on the global batch:
 
 - ``torch.compile(model, fullgraph=True)`` after ``bind_module(model)``: the hooks sit on the
-  module dynamo compiles ([Note: forward hooks under torch.compile] in hf_zero/_stage2.py);
+  module dynamo compiles ([Note: forward hooks under torch.compile] in hf_zero/_stage2/hooks.py);
 - ``bind_module(torch.compile(model))``: the hooks sit on the wrapper, outside dynamo;
 - Accelerate's ``dynamo_backend="inductor"``: ``prepare`` compiles the model it does not wrap in
   DDP and the wiring binds it.

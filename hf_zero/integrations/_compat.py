@@ -1,13 +1,21 @@
 """Shims: the only places hf_zero relies on torch / transformers / accelerate internals.
 
 Each shim exists because the library offers no public route for that need; each
-checks, when it is first used, that the internals it relies on are there and raises
-:class:`CompatError` naming the library and version otherwise (tests/test_compat.py
-runs every check, so an upgrade that breaks one fails loudly in CI).
+checks, when it is first used, the shape of what it patches or reads (the attributes
+are there, the methods take the parameters it was written against) and otherwise
+raises :class:`CompatError` naming the shim, the library and its version, and the
+range CI tested (tests/test_compat.py runs every check, so an upgrade that breaks one
+fails loudly in CI).
 
-Everything that differs between the transformers versions setup.cfg allows (4.57.1 to
-5.24) is here too, one version-checked shim per need, each naming the versions it
-targets. CI runs tests/test_compat.py on both ends of that range.
+[Note: the tested range]
+setup.cfg sets only lower bounds for transformers and accelerate: a newer release
+installs. :data:`TESTED` is the range CI tests (.ci/floor the low end, .ci/run the
+high end, pinned by .ci/constraints.txt; tests/test_compat.py checks the three agree).
+Using hf_zero with a release outside it warns once per process
+(:func:`warn_untested`); a shim whose target changed refuses instead of misbehaving.
+
+Everything that differs between the transformers versions in that range is here too,
+one version-checked shim per need, each naming the versions it targets.
 """
 
 from __future__ import annotations
@@ -15,35 +23,111 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
+import warnings
 import weakref
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator
+
+# The versions CI tests, low and high end ([Note: the tested range]).
+TESTED = {"transformers": ("4.57.1", "5.24.0"), "accelerate": ("1.3.0", "1.15.0")}
 
 
 class CompatError(RuntimeError):
     """A library changed underneath one of hf_zero's shims."""
 
 
-def _require(owner: Any, name: str, library: str) -> Any:
+class UntestedVersionWarning(UserWarning):
+    """hf_zero runs with a transformers or accelerate release outside the range CI tested."""
+
+
+def _version_of(library: str) -> str:
+    return getattr(__import__(library), "__version__", "?")
+
+
+def _pin(library: str) -> str:
+    low, high = TESTED[library]
+    return f"pip install '{library}>={low},<={high}'"
+
+
+def _refusal(shim: str, library: str, what: str) -> CompatError:
+    """The error of a shim whose target changed: the shim, the library's version, what differs, and the fix."""
+    low, high = TESTED.get(library, (None, None))
+    tested = (f"hf_zero is tested with {library} {low} to {high}: install a version in that range ({_pin(library)})"
+              if low else "")
+    return CompatError(
+        f"hf_zero ({shim}): {library} {_version_of(library)} {what}, which hf_zero relies on; {tested}"
+        f"{', and ' if tested else ''}please report this with your versions of hf_zero, torch, transformers and "
+        "accelerate"
+    )
+
+
+def _require(owner: Any, name: str, library: str, shim: str = "") -> Any:
     if not hasattr(owner, name):
-        version = getattr(__import__(library), "__version__", "?")
-        raise CompatError(
-            f"hf_zero: {library} {version} has no {getattr(owner, '__name__', owner)!r}.{name}, which hf_zero relies "
-            "on; please report this with your versions of hf_zero, torch, transformers and accelerate"
-        )
+        raise _refusal(shim or name, library, f"has no {getattr(owner, '__name__', type(owner).__name__)!r}.{name}")
     return getattr(owner, name)
+
+
+def _check_params(shim: str, library: str, function: Callable, expected: tuple[str, ...], *,
+                  prefix: bool = False) -> inspect.Signature:
+    """``function``'s signature, refused unless its parameters are ``expected`` (``prefix``: begin with them)."""
+    signature = inspect.signature(function)
+    names = tuple(signature.parameters)
+    if (names[: len(expected)] if prefix else names) != expected:
+        raise _refusal(shim, library, f"{getattr(function, '__qualname__', function)} takes {names}, not "
+                       f"{expected}{' first' if prefix else ''}")
+    return signature
+
+
+_WARNED: set[str] = set()
+
+
+def warn_untested() -> None:
+    """Warn once per process for each of transformers and accelerate (those imported) whose version is outside
+    :data:`TESTED`. Called where hf_zero is put to use (a Trainer building ``zero_bucket``, an Accelerator
+    preparing a ZeroBucketOptimizer), not at import: a process that merely has hf_zero installed is not told."""
+    import sys
+
+    from packaging.version import InvalidVersion, Version
+
+    for library, (low, high) in TESTED.items():
+        if library in _WARNED or library not in sys.modules:
+            continue
+        version = _version_of(library)
+        try:
+            outside = not Version(low) <= Version(version) <= Version(high)
+        except InvalidVersion:
+            outside = True
+        if outside:
+            _WARNED.add(library)
+            warnings.warn(
+                f"hf_zero was tested with {library} {low} to {high}, not {version}. Its shims check what they "
+                f"patch and refuse with an error if it changed; if something else misbehaves, {_pin(library)} and "
+                "report it.", UntestedVersionWarning, stacklevel=3)
 
 
 # -- accelerate --------------------------------------------------------------------
 def prepared_optimizers(accelerator) -> list:
     """The optimizers ``accelerator`` prepared, in its order (which names its files
     ``optimizer.bin``, ``optimizer_1.bin``...). Accelerate keeps them in ``_optimizers``."""
-    return list(_require(accelerator, "_optimizers", "accelerate"))
+    return _prepared(accelerator, "_optimizers", "prepared_optimizers")
 
 
 def prepared_models(accelerator) -> list:
     """The models ``accelerator`` prepared (``_models``)."""
-    return list(_require(accelerator, "_models", "accelerate"))
+    return _prepared(accelerator, "_models", "prepared_models")
+
+
+def _prepared(accelerator, name: str, shim: str) -> list:
+    held = _require(accelerator, name, "accelerate", shim)
+    if not isinstance(held, list):
+        raise _refusal(shim, "accelerate", f"keeps Accelerator.{name} as a {type(held).__name__}, not a list")
+    return list(held)
+
+
+# What each wrapped Accelerator method takes first, in accelerate 1.3 to 1.15.
+_PREPARE_PARAMS = {"prepare_model": ("self", "model"), "prepare_optimizer": ("self", "optimizer"),
+                   "prepare": ("self", "args")}
 
 
 _AFTER_PREPARE = "_hf_zero_after_prepare"
@@ -55,9 +139,10 @@ def after_prepare(accelerator_class: type, callback: Callable[[Any, Any], Any]) 
     what the method returned (``_models`` keeps the model unwrapped: the returned one is
     the DistributedDataParallel). Accelerate has no hook there. Idempotent."""
     for name in ("prepare_model", "prepare_optimizer"):
-        method = _require(accelerator_class, name, "accelerate")
+        method = _require(accelerator_class, name, "accelerate", "after_prepare")
         if getattr(method, _AFTER_PREPARE, False):
             continue
+        _check_params("after_prepare", "accelerate", method, _PREPARE_PARAMS[name], prefix=True)
 
         def wrap(method):
             @functools.wraps(method)
@@ -80,9 +165,12 @@ def before_prepare(accelerator_class: type, check: Callable[[Any, tuple], None])
     ``accelerator_class``, before Accelerate touches anything. DeepSpeed, Megatron-LM and
     FSDP2 runs never reach ``prepare_model`` / ``prepare_optimizer`` (``prepare`` hands
     them to their own paths), so :func:`after_prepare` cannot see them. Idempotent."""
-    method = _require(accelerator_class, "prepare", "accelerate")
+    method = _require(accelerator_class, "prepare", "accelerate", "before_prepare")
     if getattr(method, _BEFORE_PREPARE, False):
         return
+    signature = _check_params("before_prepare", "accelerate", method, _PREPARE_PARAMS["prepare"], prefix=True)
+    if signature.parameters["args"].kind is not inspect.Parameter.VAR_POSITIONAL:
+        raise _refusal("before_prepare", "accelerate", "takes Accelerator.prepare's objects other than as *args")
 
     @functools.wraps(method)
     def prepare(self, *args, **kwargs):
@@ -104,20 +192,15 @@ def prepare_without_ddp(accelerator_class: type, wanted: Callable[[Any, Any], bo
     Accelerate 1.3 to 1.15 build DDP in ``prepare_model`` only ``if not evaluation_mode``,
     after device placement and autocast and before ``torch.compile``, which still apply;
     it has no public way to skip only the wrap. Idempotent."""
-    import inspect
-
-    method = _require(accelerator_class, "prepare_model", "accelerate")
+    method = _require(accelerator_class, "prepare_model", "accelerate", "prepare_without_ddp")
     if getattr(method, _WITHOUT_DDP, False):
         return
-    signature = inspect.signature(method)
+    signature = _check_params("prepare_without_ddp", "accelerate", method, _PREPARE_PARAMS["prepare_model"],
+                              prefix=True)
     if "evaluation_mode" not in signature.parameters:
-        import accelerate
-
-        raise CompatError(
-            f"hf_zero: accelerate {accelerate.__version__}'s Accelerator.prepare_model has no evaluation_mode, "
-            "which stage=2 relies on to skip the DistributedDataParallel wrap; please report this with your "
-            "versions of hf_zero, torch, transformers and accelerate"
-        )
+        raise _refusal("prepare_without_ddp", "accelerate",
+                       "has no evaluation_mode in Accelerator.prepare_model (stage=2 skips the DistributedDataParallel "
+                       "wrap with it)")
 
     @functools.wraps(method)
     def prepare_model(self, model, *args, **kwargs):
@@ -173,20 +256,12 @@ def route_unscale(scaler, route: Callable[[Any, Any, Any, bool], "dict | None"])
     ``_check_inf_per_device`` call it, and ``step`` and ``update`` read the record it returns.
     torch's own ``ShardedGradScaler`` (FSDP) overrides the same method; there is no public route.
     Idempotent (a second call replaces ``route``)."""
-    import inspect
-
     import torch
 
     if not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"expected a torch.amp.GradScaler, got {type(scaler).__name__}")
-    method = _require(type(scaler), "_unscale_grads_", "torch")
-    if tuple(inspect.signature(method).parameters) != UNSCALE_GRADS_PARAMS:
-        raise CompatError(
-            f"hf_zero: torch {torch.__version__}'s {type(scaler).__name__}._unscale_grads_ takes "
-            f"{tuple(inspect.signature(method).parameters)}, not {UNSCALE_GRADS_PARAMS}, which hf_zero relies on "
-            "to unscale stage 2's sharded grads; please report this with your versions of hf_zero, torch, "
-            "transformers and accelerate"
-        )
+    method = _require(type(scaler), "_unscale_grads_", "torch", "route_unscale")
+    _check_params("route_unscale", "torch", method, UNSCALE_GRADS_PARAMS)
     current = vars(scaler).get("_unscale_grads_")
     if isinstance(current, _RoutedUnscale):
         current.route = route
@@ -250,8 +325,9 @@ def watch_trainer(trainer_class: type) -> None:
     """Wrap ``create_optimizer`` (to expose :func:`creating_trainer`) and
     ``_load_optimizer_and_scheduler(checkpoint)`` (to record :func:`resumed_from` and
     serve the loaded state dict, see :func:`serve_loaded_optimizer_state`). Idempotent."""
-    create = _require(trainer_class, "create_optimizer", "transformers")
+    create = _require(trainer_class, "create_optimizer", "transformers", "watch_trainer")
     if not getattr(create, _TRAINER_WRAPPED, False):
+        _check_params("watch_trainer", "transformers", create, ("self",), prefix=True)
 
         @functools.wraps(create)
         def create_optimizer(self, *args, **kwargs):
@@ -261,8 +337,9 @@ def watch_trainer(trainer_class: type) -> None:
         setattr(create_optimizer, _TRAINER_WRAPPED, True)
         trainer_class.create_optimizer = create_optimizer
 
-    load = _require(trainer_class, "_load_optimizer_and_scheduler", "transformers")
+    load = _require(trainer_class, "_load_optimizer_and_scheduler", "transformers", "watch_trainer")
     if not getattr(load, _TRAINER_WRAPPED, False):
+        _check_params("watch_trainer", "transformers", load, ("self", "checkpoint"), prefix=True)
 
         @functools.wraps(load)
         def _load_optimizer_and_scheduler(self, checkpoint, *args, **kwargs):
@@ -292,9 +369,10 @@ def before_optimizer_save(trainer_class: type, before: Callable[[Any, str], None
     after an evaluation, a callback's ``control.should_save``); no callback event comes
     between that decision and the write. Idempotent.
     """
-    save = _require(trainer_class, "_save_optimizer_and_scheduler", "transformers")
+    save = _require(trainer_class, "_save_optimizer_and_scheduler", "transformers", "before_optimizer_save")
     if getattr(save, _TRAINER_WRAPPED, False):
         return
+    _check_params("before_optimizer_save", "transformers", save, ("self", "output_dir"), prefix=True)
 
     @functools.wraps(save)
     def _save_optimizer_and_scheduler(self, output_dir, *args, **kwargs):
@@ -315,9 +393,10 @@ def after_failed_train(trainer_class: type, failed: Callable[[Any], None]) -> No
     Trainer's callbacks see ``on_train_end`` only when ``train()`` returns: an exception in a step or a
     callback, or an interrupt, leaves through no event (transformers 4.57.1 to 5.24). Its subclasses
     (TRL's trainers among them) reach ``Trainer.train`` through ``super()``. Idempotent."""
-    train = _require(trainer_class, "train", "transformers")
+    train = _require(trainer_class, "train", "transformers", "after_failed_train")
     if getattr(train, _TRAINER_WRAPPED, False):
         return
+    _check_params("after_failed_train", "transformers", train, ("self", "resume_from_checkpoint"), prefix=True)
 
     @functools.wraps(train)
     def wrapped_train(self, *args, **kwargs):
@@ -329,6 +408,39 @@ def after_failed_train(trainer_class: type, failed: Callable[[Any], None]) -> No
 
     setattr(wrapped_train, _TRAINER_WRAPPED, True)
     trainer_class.train = wrapped_train
+
+
+# Trainer.log's parameters, read in transformers 4.57.1 to 5.24: it appends a copy of ``logs``,
+# ``{**logs, "step": state.global_step}``, to ``state.log_history`` and then calls the callbacks' ``on_log``
+# with ``logs``: keys a callback adds to ``logs`` reach the printed line and the reporting integrations
+# (called after it), not ``log_history``.
+TRAINER_LOG_PARAMS = ("self", "logs", "start_time")
+
+
+def logged_entry(state, logs: dict) -> dict | None:
+    """In a callback's ``on_log``, the ``state.log_history`` entry Trainer stored for ``logs`` (what a callback
+    adds to ``logs`` goes there too), or None where the last entry is not it (``logs`` logged by hand, not
+    through ``Trainer.log``). The entry itself where Trainer appended ``logs`` as it is."""
+    check_trainer_log()
+    history = getattr(state, "log_history", None)
+    if not history:
+        return None
+    entry = history[-1]
+    if entry is logs:
+        return entry
+    if isinstance(entry, dict) and entry.get("step") == state.global_step and all(k in logs for k in entry if k != "step"):
+        return entry
+    return None
+
+
+@functools.cache
+def check_trainer_log() -> None:
+    """Refuse (:class:`CompatError`) a ``Trainer.log`` whose parameters are not the ones :func:`logged_entry` was
+    written against."""
+    import transformers
+
+    _check_params("logged_entry", "transformers", _require(transformers.Trainer, "log", "transformers", "logged_entry"),
+                  TRAINER_LOG_PARAMS[:2], prefix=True)
 
 
 @contextlib.contextmanager
@@ -372,9 +484,19 @@ def add_optimizer_name(value: str, *, member_name: str) -> None:
     afterwards, and survives ``to_dict``/JSON/pickle in any process that registered it.
     Idempotent.
     """
+    import enum
+
     from transformers.training_args import OptimizerNames
 
-    value2member = _require(OptimizerNames, "_value2member_map_", "transformers")
+    if not (issubclass(OptimizerNames, str) and issubclass(OptimizerNames, enum.Enum)):
+        raise _refusal("add_optimizer_name", "transformers", "has an OptimizerNames that is not a str Enum")
+    maps = {}
+    for name, kind in (("_value2member_map_", dict), ("_member_map_", dict), ("_member_names_", list)):
+        maps[name] = _require(OptimizerNames, name, "transformers", "add_optimizer_name")
+        if not isinstance(maps[name], kind):
+            raise _refusal("add_optimizer_name", "transformers", f"keeps OptimizerNames.{name} as a "
+                           f"{type(maps[name]).__name__}, not a {kind.__name__}")
+    value2member = maps["_value2member_map_"]
     if value in value2member:
         return
     member = str.__new__(OptimizerNames, value)
@@ -382,9 +504,9 @@ def add_optimizer_name(value: str, *, member_name: str) -> None:
     member._value_ = value
     member.__objclass__ = OptimizerNames
     type.__setattr__(OptimizerNames, member_name, member)
-    _require(OptimizerNames, "_member_map_", "transformers")[member_name] = member
+    maps["_member_map_"][member_name] = member
     value2member[value] = member
-    _require(OptimizerNames, "_member_names_", "transformers").append(member_name)
+    maps["_member_names_"].append(member_name)
 
 
 def remove_optimizer_name(value: str) -> None:
@@ -425,6 +547,8 @@ def unregister_optimizer(value: str) -> None:
             trainer_optimizer._OPTIMIZER_HANDLERS.pop(member, None)
 
 
+# what a handler reads of the context transformers 5.2+ passes it (the legacy dispatch builds the same)
+_CONTEXT_FIELDS = ("args", "model", "optimizer_kwargs", "adam_kwargs", "optim_args")
 # value -> handler, for versions without the handler table (answered by _legacy_dispatch)
 _LEGACY_HANDLERS: dict[str, Callable] = {}
 _ORIGINAL = "_hf_zero_original"
@@ -456,12 +580,21 @@ def register_optimizer(value: str, handler: Callable[[Any], "tuple[Any, dict[str
     if has_optimizer_handler_table():
         import transformers.trainer_optimizer as trainer_optimizer
 
-        _require(trainer_optimizer, "_OPTIMIZER_HANDLERS", "transformers")[member] = handler
+        handlers = _require(trainer_optimizer, "_OPTIMIZER_HANDLERS", "transformers", "register_optimizer")
+        _require(trainer_optimizer, "is_optimizer_factory", "transformers", "register_optimizer")
+        context = _require(trainer_optimizer, "OptimizerContext", "transformers", "register_optimizer")
+        missing = [f for f in _CONTEXT_FIELDS if f not in getattr(context, "__annotations__", {})]
+        if not isinstance(handlers, dict) or missing:
+            raise _refusal("register_optimizer", "transformers",
+                           f"has an optimizer handler table of another shape (OptimizerContext lacks {missing})"
+                           if missing else "keeps trainer_optimizer._OPTIMIZER_HANDLERS other than as a dict")
+        handlers[member] = handler
         return
     _LEGACY_HANDLERS[member.value] = handler
     trainer = transformers.trainer.Trainer
-    current = _require(trainer, "get_optimizer_cls_and_kwargs", "transformers")
+    current = _require(trainer, "get_optimizer_cls_and_kwargs", "transformers", "register_optimizer")
     if getattr(current, _ORIGINAL, None) is None:
+        _check_params("register_optimizer", "transformers", current, ("args", "model"))
         trainer.get_optimizer_cls_and_kwargs = staticmethod(_legacy_dispatch(current))
 
 
@@ -516,11 +649,11 @@ def ddp_find_unused_parameters(args, model) -> bool:
     if not isinstance(model, transformers.PreTrainedModel):
         return True
     version = _transformers_version()
-    if version >= ACTIVATION_CHECKPOINTING_SINCE:
-        return not (model.is_activation_checkpointing or args.activation_checkpointing)
+    prefix = "activation" if version >= ACTIVATION_CHECKPOINTING_SINCE else "gradient"
+    on = _require(model, f"is_{prefix}_checkpointing", "transformers", "ddp_find_unused_parameters")
     if version >= CHECKPOINTING_ARG_SINCE:
-        return not (model.is_gradient_checkpointing or args.gradient_checkpointing)
-    return not model.is_gradient_checkpointing
+        on = on or _require(args, f"{prefix}_checkpointing", "transformers", "ddp_find_unused_parameters")
+    return not on
 
 
 def block_classes(model) -> list[str] | None:

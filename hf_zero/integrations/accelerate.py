@@ -133,6 +133,7 @@ def _before_prepare(accelerator, objects=()) -> None:
     _end_older_runs(accelerator, objects)
     if not any(ours(o) is not None for o in (*objects, *_compat.prepared_optimizers(accelerator))):
         return
+    _compat.warn_untested()
     _refuse_engines(accelerator)
     wiring = _WIRED.setdefault(accelerator, _Wiring())
     wiring.stage2 = weakref.WeakSet(o for o in map(ours, objects) if o is not None and _stage2(o))

@@ -6,7 +6,7 @@ reading ``p.grad``, in one method, ``_unscale_grads_``: ``unscale_`` (and so ``s
 without an explicit ``unscale_``) calls it, and ``step`` (skip on inf) and ``update``
 (back off or grow the scale) read the found-inf record it returns. Under stage 2 ``p.grad``
 only stands in for the sharded grads after the backward (a NaN expanded to the param's
-shape: [Note: p.grad stands in for the shards] in _stage2.py), so the scaler's in-place
+shape: [Note: p.grad stands in for the shards] in _stage2/stand_ins.py), so the scaler's in-place
 unscale of it raises ("more than one element of the written-to tensor refers to a single
 memory location"); the grads it must unscale are the shards.
 
@@ -50,8 +50,7 @@ def prepare_grad_scaler(scaler):
     Other optimizers (stage 1 included) are unscaled by torch as before. Without it, torch's
     GradScaler unscales the ``p.grad`` stand-ins of stage 2 in place, which raises
     (``RuntimeError: unsupported operation: more than one element of the written-to tensor
-    ...``).
-    See [Note: GradScaler over sharded grads]."""
+    ...``)."""  # how: [Note: GradScaler over sharded grads]
     _compat.route_unscale(scaler, _unscale_sharded)
     return scaler
 

@@ -234,6 +234,7 @@ class ZeroBucketFactory:
     def __call__(self, model: torch.nn.Module, *, weight_decay: float, **kwargs: Any) -> ZeroBucketOptimizer:
         # Inside Trainer.create_optimizer: that trainer's (possibly overridden) decay
         # rules; otherwise Trainer's default rules.
+        _compat.warn_untested()
         trainer = _compat.creating_trainer()
         decay = set(transformers.Trainer.get_decay_parameter_names(None, model) if trainer is None
                     else trainer.get_decay_parameter_names(model))
@@ -393,8 +394,10 @@ class ZeroBucketCallback(TrainerCallback):
       hook or attribute of hf_zero's and its params own their storage, so a later Trainer
       on it (or a second ``train()``) binds it afresh and any saver takes it;
     - it adds ZeRO facts (per-rank trainable elements and optimizer-state bytes,
-      rebuild count) to ``state.log_history`` at train begin and after each rebuild,
-      and to the next logged line.
+      rebuild count) to ``state.log_history`` at train begin, after the first step (the
+      optimizer state exists then) and after each rebuild, and their summary to the next
+      logged line (the line ``log_history`` keeps too); after the first step it logs the
+      memory ledger beside the planner's prediction once.
 
     Args:
         sharded_checkpoints: ``None`` (default): Trainer checkpoints hold each rank's
@@ -411,6 +414,7 @@ class ZeroBucketCallback(TrainerCallback):
         self.sharded_checkpoints = None if sharded_checkpoints is None else bool(sharded_checkpoints)
         self._rebuilds_logged = -1
         self._ledger_logged = False
+        self._state_seen = False  # the optimizer state was sampled after a step that made some
         self._pending: dict[str, Any] = {}
         self._drain_after_step = True
 
@@ -437,10 +441,12 @@ class ZeroBucketCallback(TrainerCallback):
             "zero_balance": round(max(elements) / mean, 4) if mean else 1.0,
         }
 
-    def _record(self, opt: ZeroBucketOptimizer, state) -> None:
-        if opt.rebuilds == self._rebuilds_logged:
+    def _record(self, opt: ZeroBucketOptimizer, state, *, force: bool = False) -> None:
+        """Log the facts after a rebuild, or when ``force``d. Collective: every rank decides alike."""
+        if opt.rebuilds == self._rebuilds_logged and not force:
             return
         facts = self._facts(opt)
+        self._state_seen = state.global_step > 0 and max(facts["zero_state_bytes_per_rank"]) > 0
         self._rebuilds_logged = opt.rebuilds
         state.log_history.append({**facts, "step": state.global_step})
         self._pending.update({k: v for k, v in facts.items() if not isinstance(v, list)})  # the ledger's too
@@ -458,6 +464,7 @@ class ZeroBucketCallback(TrainerCallback):
                 _SHARDED_SAVES[opt] = self.sharded_checkpoints
             return
         _DRIVER[opt] = self
+        _compat.check_trainer_log()  # on_log relies on it: refused before the first step, not at the first log
         _SHARDED_SAVES[opt] = _chosen_saves(args, [self, *(_callbacks_of(opt) or [])])
         _check_saving_ranks(opt, args)
         # DDP was built just before this event. Trainer sets accelerate's shared
@@ -477,6 +484,7 @@ class ZeroBucketCallback(TrainerCallback):
         opt.load_pending_sharded([os.path.join(c, SHARDED_DIR) for c in candidates])
         opt.ensure_partition()
         self._rebuilds_logged = -1
+        self._ledger_logged = False
         self._record(opt, state)
         self._drain_after_step = opt.overlaps_param_sync and _has_user_callbacks(opt)
 
@@ -502,19 +510,32 @@ class ZeroBucketCallback(TrainerCallback):
                 # [Note: overlapped parameter sync] a user callback may read params before
                 # the next forward (this callback runs before theirs): complete them now.
                 opt.wait_param_sync()
-            self._record(opt, state)  # the step itself rebuilds after late trainability changes
-            if not self._ledger_logged:
-                self._ledger_logged = True
-                self._log_ledger(opt, state)
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        opt = self._mine(optimizer)
+        if opt is None:
+            return
+        # After the step (Trainer has counted it): the step itself rebuilds after late trainability changes, and
+        # the first step makes the optimizer state. stats() is collective: sampled after a rebuild, after the first
+        # step, and at logging steps (Trainer gathers the loss there anyway) while no state has been seen (a
+        # GradScaler may skip the first steps). Every rank takes the same branches (global_step, control.should_log
+        # and the gathered facts agree).
+        self._record(opt, state, force=not self._state_seen and (state.global_step == 1 or control.should_log))
+        if not self._ledger_logged and self._state_seen:
+            self._ledger_logged = True
+            self._log_ledger(opt, state)
 
     def _log_ledger(self, opt: ZeroBucketOptimizer, state) -> None:
-        """Once, after the first step (the state exists, the grads are still held): this rank's memory ledger and
-        the planner's prediction of its model states, in ``state.log_history``, the next logged line and the log."""
+        """Once, after the first step that made optimizer state: this rank's memory ledger and the planner's
+        prediction of its model states, in ``state.log_history``, the next logged line and the log. The logged
+        figures are the ledger's peaks (its ``peak_model_states``, ``peak_total``): what a step holds before its
+        optimizer step, as predicted, not what is left after it (stage 2 lets its grad shards go in the step)."""
         ledger = opt.memory_ledger()
         predicted = predict_for(opt)
         entry = {"zero_memory_ledger": ledger.as_dict(), "zero_memory_predicted": predicted, "step": state.global_step}
         state.log_history.append(entry)
-        self._pending.update(zero_memory_total_bytes=ledger.total, zero_memory_model_states_bytes=ledger.model_states)
+        self._pending.update(zero_memory_total_bytes=ledger.peak_total,
+                             zero_memory_model_states_bytes=ledger.peak_model_states)
         if predicted is not None:
             self._pending["zero_memory_predicted_model_states_bytes"] = predicted["model_states"]
         if state.is_world_process_zero:
@@ -524,7 +545,11 @@ class ZeroBucketCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
         if self._mine(optimizer) is not None and logs is not None and self._pending:
+            # Trainer stored its entry before this event: the keys go into that entry too
+            entry = _compat.logged_entry(state, logs)
             logs.update(self._pending)
+            if entry is not None:
+                entry.update(self._pending)
             self._pending = {}
 
 

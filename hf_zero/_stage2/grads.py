@@ -1,0 +1,198 @@
+"""The grads the step, clipping and a GradScaler read: this rank's averaged shards.
+
+:meth:`Reducer.sharded` hands the step and clipping this rank's averaged
+grads (:class:`ShardedGrads`). A param no rank got a grad for since the last step has
+none (DDP's ``find_unused_parameters`` leaves it None too; the optimizer skips it):
+one small all-reduce after a backward agrees on that, folded into clipping's norm or a
+GradScaler's inf check where there is one ([Note: agreeing on presence]). The step
+consumes the shards (as ``zero_grad`` would).
+
+[Note: a forward without its backward] A rank whose loss does
+not come from the bound module's outputs runs none of the reducer in its backward, while
+the other ranks' backwards wait for its reduce-scatters (DDP hangs the same way), and so
+does a rank that skips the model altogether before stepping. Each rank records whether a
+backward armed since the last step (and whether a forward ran, for the message):
+clipping, ``unscale_`` or the step raise on a rank where none armed, naming the cause, so
+that rank fails at once (and a launcher stops the rest) instead of every rank waiting for
+the collective timeout. It costs a flag per forward and backward, no collective; it also
+refuses, on every rank alike, a step with no backward since the last one, which DDP
+allows as a no-op.
+
+:meth:`Reducer.unscale_` unscales the shards and agrees on inf/NaN over
+every rank's shard (one MAX all-reduce), for a GradScaler routed to it
+([Note: GradScaler over sharded grads] in integrations/amp.py). When the scaler then
+skips the step, the next backward drops the unscaled shards first, as a step would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._comm import Comm
+from .._layout import Piece
+from .plan import Plan
+
+
+class SinceStep:
+    """This rank's record since the last step: which params had a grad here (``touched``) and the set
+    agreed over ranks (``agreed``, None until agreed: [Note: agreeing on presence]); whether a forward
+    of the bound module whose backward should sync ran (``forwarded``), and whether a backward armed."""
+
+    def __init__(self, agreed: frozenset | None = None):
+        self.touched: set[int] = set()
+        self.agreed = agreed
+        self.forwarded = self.armed = False
+
+    def check_answered(self) -> None:
+        """[Note: a forward without its backward] Raise if no backward went through the bound module's
+        outputs since the last step: other ranks' backwards may be waiting for this rank's reduce-scatters."""
+        if not self.armed:
+            raise RuntimeError(
+                ("hf_zero stage 2: the bound model ran a forward on this rank since the last step, but no backward "
+                 "went through its outputs: the loss here does not come from the model's outputs (or its backward "
+                 "was skipped)" if self.forwarded else
+                 "hf_zero stage 2: no backward through the bound model's outputs on this rank since the last step "
+                 "(or zero_grad())") +
+                ", while other ranks' backwards may wait for this rank's gradients. Compute every rank's loss "
+                "from the bound model's outputs and call backward on it before clipping or the step"
+            )
+
+    def flags(self, count: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """This rank's 0/1 flag per param (``count`` of them): an all-reduce's SUM or MAX of them is
+        positive exactly where some rank had a grad."""
+        mask = torch.zeros(count, dtype=dtype, device=device)
+        if self.touched:
+            mask[sorted(self.touched)] = 1
+        return mask
+
+    def settle(self, reduced: torch.Tensor) -> None:
+        self.agreed = frozenset((reduced > 0).nonzero().flatten().tolist())
+
+    def drop(self, i: int) -> None:
+        """Param ``i`` has no grad since the step (on this rank; agreed ones too)."""
+        self.touched.discard(i)
+        if self.agreed is not None:
+            self.agreed = self.agreed - {i}
+
+class ShardedGrads:
+    """This rank's averaged grads since the last step, per piece of :attr:`layout`: :meth:`held`,
+    the 1-D slice of the shard holding its elements (exact zeros where no rank had a grad), and,
+    once :meth:`agree` settled which params some rank had a grad for, ``self(piece)``: that
+    slice, or None where no rank had one (the step skips those, as torch's optimizers skip a
+    param whose grad DDP left None).
+
+    [Note: agreeing on presence]
+    Which params had a grad on some rank is one small all-reduce of a flag per param. A step
+    that clips needs the norm's all-reduce anyway, and the norm reads :meth:`held` (the zeros
+    of params no rank had a grad for add nothing to it, nor does scaling them change them:
+    every rank's bucket slot of a grad that never came is zeroed before it is reduced): so
+    the flags ride in the norm's all-reduce (:meth:`all_reduce_along`), as they do in a
+    GradScaler's inf check, and the step finds them agreed. Otherwise the step's
+    :meth:`agree` runs it alone."""
+
+    def __init__(self, plan: Plan, shards: list, since: SinceStep, comm: Comm, count: int):
+        self.layout, self.device = plan.layout, comm.device
+        self.pieces: list[Piece] = plan.layout.pieces(comm.rank)
+        self._plan, self._shards, self._since, self._comm, self._count = plan, shards, since, comm, count
+
+    def held(self, piece: Piece) -> torch.Tensor | None:
+        shard = self._shards[piece.buffer] if self._shards else None
+        if shard is None:
+            return None
+        start = piece.offset - self._plan.owned[piece.buffer][0]
+        return shard[start : start + piece.numel]
+
+    def __call__(self, piece: Piece) -> torch.Tensor | None:
+        if self._since.agreed is None:
+            raise RuntimeError("hf_zero: ShardedGrads read before the ranks agreed on which params have grads")
+        return self.held(piece) if piece.index in self._since.agreed else None
+
+    def all_reduce_along(self, scalar: torch.Tensor, *, op: str, what: str) -> torch.Tensor:
+        """``scalar`` (0-dim) all-reduced with ``op`` ("sum" or "max"), with the presence flags riding
+        along until they are agreed (either op marks presence). Collective (one small all-reduce)."""
+        if self._since.agreed is not None:
+            return self._comm.all_reduce_(scalar, op=op, what=what)
+        flags = self._since.flags(self._count, scalar.dtype, self._comm.device)
+        both = self._comm.all_reduce_(torch.cat([scalar.reshape(1), flags]), op=op, what=what)
+        self._since.settle(both[1:])
+        return both[0]
+
+    def agree(self) -> "ShardedGrads":
+        """Agree on which params have grads, unless done already. Collective (one small all-reduce, or none)."""
+        if self._since.agreed is None:
+            flags = self._since.flags(self._count, torch.float32, self._comm.device)
+            self._since.settle(self._comm.all_reduce_(flags, op="max", what="agreeing on which params have gradients"))
+        return self
+
+class Shards:
+    """This rank's averaged grads since the last step: per buffer of the plan they follow (:attr:`plan`), its
+    owned range (None until a reduction writes it), which buffers were written, and the record
+    (:class:`SinceStep`)."""
+
+    def __init__(self):
+        self.plan: Plan | None = None
+        self.tensors: list = []
+        self.written: set[int] = set()
+        self.since = SinceStep()
+
+    def follow(self, plan: Plan) -> None:
+        """Reductions of ``plan`` come: shards of an older plan are dropped."""
+        if self.plan is not plan:
+            self.tensors, self.plan = [None] * len(plan.sizes), plan
+
+    def shard(self, b: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """Buffer ``b``'s shard, allocated (not zeroed) at its first use since the step."""
+        if self.tensors[b] is None:
+            lo, hi = self.plan.owned[b]
+            self.tensors[b] = torch.empty(hi - lo, dtype=dtype, device=device)
+        return self.tensors[b]
+
+    def written_tensors(self) -> list:
+        """The shards written since the step, in buffer order (the same buffers on every rank)."""
+        return [self.tensors[b] for b in sorted(self.written)] if self.plan is not None else []
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.tensors if s is not None)
+
+    def zero(self, i: int) -> None:
+        """Zero param ``i``'s elements in this rank's shards."""
+        plan = self.plan
+        if plan is not None and i in plan.where:
+            b, offset, numel = plan.where[i]
+            lo, hi = plan.owned[b]
+            a, z = max(offset, lo), min(offset + numel, hi)
+            if a < z and self.tensors[b] is not None:
+                self.tensors[b][a - lo : z - lo].zero_()
+
+    def read(self, current: Plan, comm: Comm, count: int) -> ShardedGrads:
+        """The grads for the step (``current``: the reducer's plan now, read when nothing was reduced)."""
+        if self.plan is None or not self.written:  # the same on every rank: nothing to agree on
+            return ShardedGrads(current, [], SinceStep(frozenset()), comm, count)
+        return ShardedGrads(self.plan, self.tensors, self.since, comm, count)
+
+    def clear(self) -> None:
+        """The step consumed them (or ``zero_grad``): let them go."""
+        self.written.clear()
+        self.tensors = [None] * len(self.tensors)
+        self.since = SinceStep()
+
+
+def unscale(grads: ShardedGrads, shards: list, inv_scale: torch.Tensor, found_inf: torch.Tensor, *,
+            allow_fp16: bool) -> None:
+    """The body of :meth:`Reducer.unscale_` over the ``shards`` written since the step."""
+    if not allow_fp16 and any(s.dtype == torch.float16 for s in shards):
+        raise ValueError("Attempting to unscale FP16 gradients.")  # torch's GradScaler.unscale_, word for word
+    local = _unscaled_non_finite(shards, inv_scale, grads.device)
+    # the step's agreement rides along: [Note: agreeing on presence]
+    local = grads.all_reduce_along(local, op="max", what="agreeing on non-finite gradients (GradScaler)")
+    found_inf.copy_(torch.maximum(found_inf, local.to(found_inf.device)))
+
+
+def _unscaled_non_finite(shards: list, inv_scale: torch.Tensor, device) -> torch.Tensor:
+    """Multiply each shard by ``inv_scale``; 1.0 (float32, on ``device``) if any held an inf or NaN before."""
+    flags = []
+    for shard in shards:
+        if shard.numel():  # checked before unscaling, as torch's kernel does
+            flags.append(torch.isfinite(shard).all().logical_not().to(device))
+            shard.mul_(inv_scale.to(shard.device))
+    return torch.stack(flags).any().float() if flags else torch.zeros((), dtype=torch.float32, device=device)

@@ -1,0 +1,103 @@
+"""Stage 2's bucket plan: which params share a reduce bucket, in what order, and where each
+param's grad lies in its bucket and in this rank's shard. Pure: no process group, the same on every rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._layout import Layout
+
+DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
+MAX_IN_FLIGHT = 2  # buckets being reduce-scattered at once (see the note)
+GRAD_ACCUM_DTYPES = ("auto", "fp32", "param")  # [Note: what stage 2 accumulates in]
+AUTO_GRAD_ACCUM_DTYPE = "param"
+
+
+def buckets_in_flight(reduce_scatter_by: str) -> int:
+    """How many buckets a reducer keeps being reduce-scattered at once on a comm that reduce-scatters
+    ``reduce_scatter_by``: one where the reduce-scatters take turns with the receive scratch (point to point,
+    all-to-all: [Note: reduce-scatter scratch] in _comm.py), :data:`MAX_IN_FLIGHT` with NCCL's own."""
+    return MAX_IN_FLIGHT if reduce_scatter_by == "reduce_scatter" else 1
+
+
+def accumulate_dtype(choice: str, stage: int) -> torch.dtype | None:
+    """The reducer's ``accumulate_dtype`` for ``grad_accum_dtype=choice`` (float32, or None: the
+    grads' own dtype); a clear ``ValueError`` for anything else, or for a choice under stage 1."""
+    if not isinstance(choice, str) or choice not in GRAD_ACCUM_DTYPES:
+        raise ValueError(f"grad_accum_dtype must be one of {GRAD_ACCUM_DTYPES}, got {choice!r}")
+    if stage != 2 and choice != "auto":
+        raise ValueError(f"grad_accum_dtype={choice!r} is a stage=2 option (stage 1 accumulates as DDP does, in "
+                         "the grads' dtype): pass stage=2 or leave grad_accum_dtype='auto'")
+    resolved = AUTO_GRAD_ACCUM_DTYPE if choice == "auto" else choice
+    return torch.float32 if resolved == "fp32" else None
+
+
+def shard_dtype(accumulate_dtype: torch.dtype | None, bucket_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the shards of a bucket of ``bucket_dtype`` (:func:`accumulate_dtype`'s float32
+    widens 16-bit ones only): [Note: what stage 2 accumulates in]."""
+    return torch.float32 if accumulate_dtype == torch.float32 and bucket_dtype.itemsize < 4 else bucket_dtype
+
+
+def plan_buckets(specs, cap_bytes: int, order=None) -> tuple[tuple[int, ...], ...]:
+    """The trainable params' indices in ``order`` (every index once; default: last first), cut into
+    buckets of at most ``cap_bytes`` (a larger param alone), each of one (device, dtype). Pure: the
+    same on every rank."""
+    buckets: list[list[int]] = []
+    key, size = None, 0
+    for i in reversed(range(len(specs))) if order is None else order:
+        s = specs[i]
+        if not s.trainable or s.numel == 0:
+            continue
+        nbytes = s.numel * s.dtype.itemsize
+        if not buckets or (s.device, s.dtype) != key or size + nbytes > cap_bytes:
+            buckets.append([])
+            key, size = (s.device, s.dtype), 0
+        buckets[-1].append(i)
+        size += nbytes
+    return tuple(tuple(b) for b in buckets)
+
+
+def backward_order(table, module_ref) -> list[int]:
+    """The optimizer's params, last first, in the bound module's registration order, as DDP orders
+    its buckets: about the order a backward finishes them. Not the optimizer's order: Trainer's
+    param groups (decay, then no-decay) would put every layer's biases and norms, down to the first
+    layer's, in the first bucket, and every later bucket would wait for it until the end of the
+    backward (a whole gradient alive at once: 16 of GPT-2 124M's 17 buckets). Params the module
+    does not hold (or every param, before ``bind``) come last, last first."""
+    module = module_ref() if module_ref is not None else None
+    order = [] if module is None else list(dict.fromkeys(i for i in map(table.index, module.parameters()) if i is not None))
+    order.reverse()
+    placed = set(order)
+    return order + [i for i in reversed(range(len(table.params))) if i not in placed]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One layout as the reducer uses it; ``where[i]``: (buffer, offset, numel) of param i;
+    per buffer (in bucket order): its reduced size, bounds, and this rank's range in it."""
+
+    layout: Layout
+    where: dict
+    sizes: tuple[int, ...]
+    owned: tuple[tuple[int, int], ...]
+    gaps: tuple[tuple[tuple[int, int], ...], ...]  # per buffer: the ranges no slot covers (alignment)
+
+
+def plan_of(layout: Layout, rank: int) -> Plan:
+    where, sizes, owned, gaps = {}, [], [], []
+    for b, buf in enumerate(layout.buffers):
+        end = max(s.offset + s.numel for s in buf.slots)
+        for s in buf.slots:
+            where[s.index] = (b, s.offset, s.numel)
+        sizes.append(end)
+        owned.append((min(buf.bounds[rank], end), min(buf.bounds[rank + 1], end)))
+        covered, at, holes = sorted((s.offset, s.offset + s.numel) for s in buf.slots), 0, []
+        for a, z in covered:
+            if a > at:
+                holes.append((at, a))
+            at = max(at, z)
+        gaps.append(tuple(holes))
+    return Plan(layout, where, tuple(sizes), tuple(owned), tuple(gaps))
+
