@@ -13,6 +13,19 @@ closes it in ``unbind()`` and when it is garbage-collected (``weakref.finalize``
 wiring at ``on_train_end``, the Accelerate wiring at ``end_training`` / ``free_memory`` /
 ``clear``. A later bind opens it again (a second Trainer on the same model).
 
+[Note: a newer binding takes over]
+One param's grads can feed one gradient path only: stage 2's reducer takes each grad out of
+``p.grad`` as the backward makes it, and DDP takes one comm hook. A binding left by a run that
+never ended (an interrupted ``train()`` whose Trainer a notebook's traceback keeps, a linear probe's
+optimizer prepared on the same Accelerator before the full fine-tune's, a plain loop binding a
+second optimizer) would take the grads first, and the newer one would reduce what it left: NaN.
+So each binding *claims* its optimizer's params when it binds (:meth:`Binding.claim`), and every
+older open binding over any of them is *taken over*: its owner unbinds (its ``end``) and stays
+marked :attr:`Binding.taken_over`, so that the integrations do not bind it again and a stage-2
+step of it refuses, naming the fix, instead of stepping nothing. Binding it again explicitly
+(``bind_module`` / ``bind_ddp``) takes it back: the newest binding wins. The claims are a
+module-level table of weak references (param, binding): it holds no user object alive.
+
 Hooks keep nothing alive (their owner is held weakly) and copy as nothing: a :class:`Hook`
 pickles and deep-copies as :func:`inert`, a no-op, so ``torch.save(model)`` and
 ``copy.deepcopy(model)`` of a bound model work and the copy is not bound. (A param's
@@ -46,15 +59,64 @@ class Hook:
         return (_inert, ())
 
 
+# id(param) -> (the param, the binding that claimed it), both weakly ([Note: a newer binding takes over])
+_CLAIMS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _claimant(param: Any) -> "Binding | None":
+    entry = _CLAIMS.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+def claimants(params) -> list["Binding"]:
+    """The open bindings that claimed any of ``params`` ([Note: a newer binding takes over])."""
+    found: list[Binding] = []
+    for p in params:
+        b = _claimant(p)
+        if b is not None and b not in found:
+            found.append(b)
+    return found
+
+
 class Binding:
     """The hook handles and attributes one optimizer attached to user objects (see
-    [Note: a binding ends with its run]). Holds no user object alive."""
+    [Note: a binding ends with its run]). Holds no user object alive. ``end``: what ends the
+    owner's binding when a newer one takes over ([Note: a newer binding takes over]; default
+    :meth:`close`), held weakly when it is a bound method."""
 
-    def __init__(self) -> None:
+    def __init__(self, end: Callable[[], None] | None = None) -> None:
         self._handles: list = []
         self._attributes: list[tuple[weakref.ref, str, Any]] = []
         self._on_close: list[Callable[[], None]] = []
         self._once: set = set()  # (weakref to an object, what) registered by once()
+        self._end = weakref.WeakMethod(end) if hasattr(end, "__self__") else (lambda: end) if end else None
+        self._claimed: list[int] = []  # ids of the params claimed, until close()
+        self.taken_over = False  # a newer binding over its params took over, and it was not bound again since
+
+    def claim(self, params) -> list["Binding"]:
+        """Serve ``params`` from now on: every other open binding over any of them is taken over
+        first (its owner's binding ends). Returns those taken over."""
+        older = [b for b in claimants(params) if b is not self]
+        for other in older:
+            other.take_over()
+        for key in [k for k, (p, b) in _CLAIMS.items() if p() is None or b() is None]:
+            del _CLAIMS[key]  # params or bindings gone
+        me = weakref.ref(self)
+        for p in params:
+            if _claimant(p) is not self:
+                _CLAIMS[id(p)] = (weakref.ref(p), me)
+                self._claimed.append(id(p))
+        self.taken_over = False
+        return older
+
+    def take_over(self) -> None:
+        """A newer user of its params took over: end the owner's binding and mark it :attr:`taken_over`."""
+        end = self._end() if self._end is not None else None
+        (end or self.close)()
+        self.close()
+        self.taken_over = True
 
     @property
     def empty(self) -> bool:
@@ -88,7 +150,12 @@ class Binding:
         self._on_close.append(undo)
 
     def close(self) -> None:
-        """Remove every hook and attribute kept; idempotent."""
+        """Remove every hook and attribute kept, and give up the params claimed; idempotent."""
+        claimed, self._claimed = self._claimed, []
+        for key in claimed:
+            entry = _CLAIMS.get(key)
+            if entry is not None and entry[1]() is self:
+                del _CLAIMS[key]
         undo, self._on_close = self._on_close, []
         for fn in reversed(undo):
             fn()

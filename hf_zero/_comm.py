@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ._engine import coalesced_broadcast
-from ._works import Pending, keep, let_go_completed, named as _named
+from ._works import Pending, keep, let_go_completed, let_go_settled, named as _named
 
 SYNC_BY = ("all_gather", "broadcast", "send_recv")
 REDUCE_SCATTER_BY = ("send_recv", "all_to_all", "reduce_scatter", "all_reduce")
@@ -93,12 +93,13 @@ class Comm:
             raise TypeError(f"strategy must be a hf_zero._comm.Strategy, got {type(strategy).__name__}")
         self._strategy = strategy
 
-    def release_completed_works(self, *, drop_scratch: bool = False) -> None:
+    def release_completed_works(self, *, drop_scratch: bool = False, at_end: bool = False) -> None:
         """Let go of the completed collectives' work objects now, and of the tensors they reference (gloo keeps
         them a while: [Note: no Python on communication threads] in _works.py); ``drop_scratch``: of the receive
-        scratch too, unless a reduce-scatter holds it. Not collective."""
+        scratch too, unless a reduce-scatter holds it; ``at_end``: at the end of a run, which may come right
+        before exit (``_works.let_go_settled``). Not collective."""
         if self._keep_works:
-            let_go_completed()
+            let_go_settled() if at_end else let_go_completed()
         self._scratch.drop(drop_scratch)
 
     def _pending(self, works: list, what: str, finish: Callable[[], Any] | None = None) -> Pending:

@@ -26,6 +26,7 @@ from ._comm import Comm
 from ._layout import Layout
 from ._ledger import storage_bytes
 from ._overlap import ParamSyncOverlap, Units
+from ._views import separate_views
 
 GRAD_REDUCE = ("auto", "all_reduce", "reduce_scatter")
 
@@ -54,8 +55,9 @@ class GradientPath:
         self.stage = stage
         self.stage2 = _stage2.Reducer(comm, self._table, shard, accumulate_dtype) if stage == 2 else None
         self.ddp_bucket_view: bool | None = None  # the bound DDP's gradient_as_bucket_view (None: none bound)
-        # every hook and attribute on the user's module ([Note: a binding ends with its run])
-        self.binding = Binding()
+        # every hook and attribute on the user's module ([Note: a binding ends with its run]); a newer
+        # binding over the same params unbinds it ([Note: a newer binding takes over] in _binding.py)
+        self.binding = Binding(end=self.unbind)
 
     def _table(self):
         return self._facts()()[0]
@@ -130,9 +132,23 @@ class GradientPath:
         if self.stage2 is not None:
             self.stage2.step_taken()
 
+    @property
+    def taken_over(self) -> bool:
+        """Whether a newer binding over the same params took this one's over ([Note: a newer binding takes
+        over] in _binding.py) and it was not bound again since."""
+        return self.binding.taken_over
+
     def sharded_grads(self) -> _stage2.ShardedGrads | None:
         """Stage 2: this rank's averaged grads, after its checks (no collective); None under stage 1."""
-        return None if self.stage2 is None else self.stage2.sharded()
+        if self.stage2 is None:
+            return None
+        if self.binding.taken_over:
+            raise RuntimeError(
+                "hf_zero stage 2: another optimizer bound the same params after this one (a later bind_module, "
+                "Trainer or accelerator.prepare), so their grads go to it and this optimizer has none to step: "
+                "step the newer optimizer, or call this one's bind_module(model) again to take the params back"
+            )
+        return self.stage2.sharded()
 
     def for_step(self, grads: _stage2.ShardedGrads | None, carried=None) -> _stage2.ShardedGrads | None:
         """``grads`` (from :meth:`sharded_grads`) for the step, which reads them from the layout they were
@@ -196,8 +212,11 @@ class GradientPath:
                 "full averaged grad until zero_grad(), as under DDP"
             )
         _refuse_needing_ddp(module)
+        if not self.stage2.bound and bucket_cap_mb > 0 and not isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            self.binding.claim(self._table().params)  # bound already: the same module (a no-op) or refused
         self.stage2.bind(module, self.binding, cap_bytes=int(bucket_cap_mb * (1 << 20)), broadcast_buffers=broadcast_buffers,
                          local_accumulation=local_accumulation)
+        separate_views(module, self.binding)  # savers take the bound model: [Note: views in a state dict]
         self._attach_overlap(module, overlap_default)
 
     def _attach_overlap(self, module: torch.nn.Module, overlap_default: bool, units=None) -> None:
@@ -237,7 +256,10 @@ class GradientPath:
                 "stage=2 takes gradient synchronisation over from DistributedDataParallel: do not wrap the "
                 "model in DDP; call optimizer.bind_module(model) on the unwrapped model instead of bind_ddp"
             )
+        self.binding.claim(self._table().params)
         self._attach_overlap(ddp.module, overlap_default, units)
+        if self._bucket_view:
+            separate_views(ddp.module, self.binding)  # savers take the bound model: [Note: views in a state dict]
         self.ddp_bucket_view = bool(getattr(ddp, "gradient_as_bucket_view", False))
         if not self.ddp_bucket_view:
             _warn_copy_of_grads(ddp)

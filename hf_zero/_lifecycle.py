@@ -227,6 +227,8 @@ def read_sharded(opt, comm: Comm, table: ParamTable, path) -> tuple[list[dict], 
         raise failure
     if reports:
         raise RuntimeError("hf_zero: load_sharded failed on another rank, nothing was loaded:\n  " + "\n  ".join(reports))
+    if comm.rank == 0:  # every rank has read: [Note: stale temporaries]
+        _sharded.remove_stale_after_load(path)
     return groups, held, has_state
 
 def consolidate(comm: Comm, table: ParamTable, held: Holdings, to: int, device) -> dict | None:

@@ -125,25 +125,43 @@ class Master:
 
 # [Note: writes through a state dict's aliases]
 # Under Trainer, ``model.state_dict()`` hands out bucket views as tensors with a storage object of
-# their own over the same memory (``torch.from_dlpack``: integrations/accelerate.py, ``_own_storage``),
+# their own over the same memory (``torch.from_dlpack``: [Note: views in a state dict] in _views.py),
 # so that a save does not copy the model. Such an alias has a version counter of its own: a write
 # through it (``model.state_dict()["w"].zero_()``) moves no counter of the param's, and a master
-# would never see it. So each alias is watched: a ``detach()`` of it (same memory, same counter, no
-# copy) is kept with the counter's value when handed out, and before a step (and before a checkpoint
-# reads the masters) a moved counter marks its param as written, whose masters then re-derive from it
-# as after any other in-place write. The alias itself is held weakly: once it is gone and its counter
-# was read, the entry is dropped (a save's state dict lives until it is written, so its entries go at
-# the next step). With no alias watched the check is one test of an empty list.
-_ALIASES: list[list] = []  # [weak reference to the alias, its detach(), the counter seen, the param weakly]
-# id(param) -> param written through an alias, until its partition follows (weak: a param gone takes its id along)
+# would never see it. So each alias is watched: the counter's value when it was handed out is kept
+# with a ``detach()`` of it (same memory, same counter, no copy), and before a step (and before a
+# checkpoint reads the masters) a moved counter marks its param as written, whose masters then
+# re-derive from it as after any other in-place write. The detach lives exactly as long as the alias:
+# when the alias is collected, its counter is read one last time (a param written through it is
+# marked) and the entry goes, so nothing here holds a user's storage past the tensors the user holds
+# (a save's state dict, once written). With no alias watched the check is one test of an empty dict.
+_ALIASES: dict[int, list] = {}  # a number -> [the alias's detach(), the counter seen, the param weakly]
 _WRITTEN: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_NUMBERS = iter(range(1 << 62))
 
 
 def watch_alias(alias: torch.Tensor, param: torch.Tensor) -> None:
     """Have the masters of ``param`` follow in-place writes through ``alias``, a tensor over the same
     memory with a version counter of its own."""
     twin = alias.detach()
-    _ALIASES.append([weakref.ref(alias), twin, version_of(twin), weakref.ref(param)])
+    key = next(_NUMBERS)
+    _ALIASES[key] = [twin, version_of(twin), weakref.ref(param)]
+    weakref.finalize(alias, _alias_gone, key).atexit = False
+
+
+def _alias_gone(key: int) -> None:
+    entry = _ALIASES.pop(key, None)
+    if entry is not None:
+        _note_written(entry)
+
+
+def _note_written(entry: list) -> None:
+    twin, version, param = entry
+    if version_of(twin) != version:
+        entry[1] = version_of(twin)
+        p = param()
+        if p is not None:
+            _WRITTEN[id(p)] = p
 
 
 def aliases_watched() -> bool:
@@ -153,18 +171,9 @@ def aliases_watched() -> bool:
 
 def written_through_aliases() -> "weakref.WeakValueDictionary[int, torch.Tensor]":
     """``id(param) -> param`` for the params written through a watched alias and not yet followed (the
-    caller pops the params it followed); forgets the aliases that are gone."""
-    kept = []
-    for entry in _ALIASES:
-        ref, twin, version, param = entry
-        if version_of(twin) != version:
-            entry[2] = version_of(twin)
-            p = param()
-            if p is not None:
-                _WRITTEN[id(p)] = p
-        if ref() is not None:
-            kept.append(entry)
-    _ALIASES[:] = kept
+    caller pops the params it followed)."""
+    for entry in list(_ALIASES.values()):
+        _note_written(entry)
     return _WRITTEN
 
 

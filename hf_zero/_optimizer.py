@@ -217,7 +217,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
                                   shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view,
                                   accumulate_dtype=accumulate)
-        weakref.finalize(self, self._grad.binding.close).atexit = False  # collected, it leaves the model as it found it
+        weakref.finalize(self, _collected, self._grad.binding, self._comm).atexit = False
         self._ready = True
 
     def add_param_group(self, param_group: dict) -> None:
@@ -379,9 +379,10 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
                                local_accumulation=local_accumulation)
 
     def unbind(self) -> None:
-        """Remove every hook and attribute hf_zero put on the model and its params: it is as if never bound, and may be
-        bound again. Done too when the optimizer is collected, and by Trainer / Accelerate when training ends."""
+        """Remove hf_zero's hooks and attributes from the model, give each param its own storage (buffers freed): as if never
+        bound; bind again at will (the next step rebuilds). Not a collective; Trainer / Accelerate call it at the end."""
         self._grad.unbind()
+        _own_storage(self)
 
     @property
     def grad_reduce(self) -> str:
@@ -431,7 +432,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
 
     def release_views(self) -> None:
         """Give every param sharing storage its own (for savers refusing it); the next step rebuilds, moving no state."""
-        self.wait_param_sync()
+        _own_storage(self)
         self._table.release_shared_storage()
 
     def stats(self) -> dict[str, Any]:
@@ -566,6 +567,21 @@ def _check_agreement(opt: ZeroBucketOptimizer) -> None:
     """Before a checkpoint collective: raise on every rank unless all hold the same params. Collective."""
     opt._check.read_late(opt._comm, opt._table)
     opt._table.check_agreement(opt._comm)
+
+
+def _collected(binding, comm: Comm) -> None:
+    """An optimizer was collected (never at exit): its binding ends, and the completed works of its last
+    collectives, which hold its buffers, are let go."""
+    binding.close()
+    comm.release_completed_works(drop_scratch=True, at_end=True)
+
+
+def _own_storage(opt: ZeroBucketOptimizer) -> None:
+    """See [Note: params own their storage after a run] in _partition.py."""
+    opt.wait_param_sync()
+    if opt._partition is not None:
+        opt._comm.release_completed_works(drop_scratch=True, at_end=True)  # the last syncs' works hold the buffers
+        opt._partition = opt._partition.without_buffers(opt._table.params)
 
 
 def _ledger_of(opt: ZeroBucketOptimizer, reset_peaks: bool) -> MemoryLedger:

@@ -6,7 +6,9 @@ buffers (params are views into them with ``parameters_as_bucket_view``), the dat
 each trainable param had when it was built (to notice storage replaced behind our back),
 this rank's pieces and the local optimizer stepping them. Nothing of it is reassigned
 after :meth:`Partition.build`; a trainability change, a new DDP bucket structure or a load
-makes a new Partition with :func:`rebuild`, and the old one is dropped whole.
+makes a new Partition with :func:`rebuild`, and the old one is dropped whole. (At the end of a
+run :meth:`Partition.without_buffers` hands the params and pieces storage of their own and drops
+the buffers: [Note: params own their storage after a run].)
 
 The local optimizer steps each piece's ``tensor``: the piece of the param itself (a view
 of its buffer), or, for a 16-bit param with master weights, the piece's fp32 master
@@ -29,7 +31,7 @@ benchmarks.e2e, 2 gloo ranks, rank 0's step with reduce-scatter): 76-89 ms befor
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -151,6 +153,50 @@ class Partition:
         buffers, self.buffers, self.pieces, self.inner = self.buffers, (), (), None
         self._grad_scratch = {}
         return buffers
+
+    def without_buffers(self, params: tuple[torch.Tensor, ...]) -> "Partition":
+        """[Note: params own their storage after a run] This partition with every param that is a view of
+        one of its buffers given storage of its own (a copy), its pieces new views of that (the local
+        optimizer's params and state keys swapped for them), and no buffers: savers that refuse shared
+        storage (safetensors' ``save_model``) take the params, and the buffers are freed. One buffer at a
+        time: each is freed (when nothing else holds it) before the next one's params are copied, so this
+        holds one buffer more at most. (A piece's view cannot be pointed elsewhere in place: it keeps its
+        base, and so the buffer, alive.) The state stays; the next step rebuilds (:meth:`views_intact` is
+        False), moving no state."""
+        if not (self.buffers and self.bucket_view):
+            return self
+        buffers, self.buffers = list(self.buffers), ()
+        pieces, self.pieces = list(self.pieces), ()
+        by_buffer: dict[int, list[int]] = {}
+        for k, lp in enumerate(pieces):
+            by_buffer.setdefault(lp.piece.buffer, []).append(k)
+        for b, plan in enumerate(self.layout.buffers):
+            moved = set()
+            for slot in plan.slots:
+                p = params[slot.index]
+                if p.data_ptr() == self.ptrs.get(slot.index):  # else replaced behind our back: not ours to copy
+                    p.data = p.data.clone()
+                    moved.add(slot.index)
+            swapped = {}  # id(old local param) -> its replacement
+            for k in by_buffer.get(b, ()):
+                lp = pieces[k]
+                if lp.piece.index not in moved:
+                    continue
+                view = lp.param.data.view(-1)[lp.piece.start : lp.piece.stop].view(lp.view.shape)
+                if lp.master is not None:
+                    lp.master.view = view
+                    pieces[k] = replace(lp, view=view)
+                else:
+                    swapped[id(lp.tensor)] = view
+                    if self.inner is not None and lp.tensor in self.inner.state:
+                        self.inner.state[view] = self.inner.state.pop(lp.tensor)
+                    pieces[k] = replace(lp, tensor=view, view=view)
+            if swapped and self.inner is not None:
+                for group in self.inner.param_groups:
+                    group["params"] = [swapped.get(id(t), t) for t in group["params"]]
+            buffers[b] = lp = None  # freed here unless held elsewhere
+        return Partition(layout=self.layout, mask=self.mask, shard=self.shard, bucket_view=self.bucket_view,
+                         buffers=(), ptrs=self.ptrs, pieces=tuple(pieces), inner=self.inner)
 
     def emptied(self) -> "Partition":
         """The same buffers and views, without pieces or state (after a load replaced the state)."""

@@ -47,6 +47,7 @@ import math
 import os
 import re
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -206,13 +207,79 @@ def _write_text(path: str, text: str) -> None:
         f.write(text)
 
 
+# [Note: stale temporaries]
+# A save killed mid-write (a preempted job, an OOM kill) leaves its temporary behind: each rank's
+# ``.shard-<token>-rank<r>-of-<n>.safetensors.tmp-<pid>-<hex>`` (as big as its state) or rank 0's
+# ``.hf_zero_optimizer.json.tmp-<pid>-<hex>``. The next save or load there removes it, on rank 0,
+# between two of its collectives, so no rank of the run can be writing a save of its own then (a
+# save's first write follows a collective every rank enters after the load or the commit). Only files
+# of exactly these names go, and only those no writer can still be at work on:
+# - a save, once it committed: in its directory every temporary (every rank had written its file
+#   before the commit: they are earlier saves'); when it is in a run's checkpoint
+#   (``<output>/checkpoint-N/<name>``, as Trainer lays them out, or Accelerate's ``checkpoint_N``), in
+#   the run's other checkpoints (``<output>/checkpoint-M/<name>``) the idle ones;
+# - a load, once every rank read: in its directory the idle ones not of the save it loaded.
+# Idle: not written for ``_IDLE_S`` (a writer at work writes all the time; a killed one stopped),
+# which also keeps the files of another program saving into the same tree meanwhile.
+_SHARD_TMP_RE = re.compile(r"^\.shard-([0-9a-f]+)-rank\d+-of-\d+\.safetensors\.tmp-\d+-[0-9a-f]+$")
+_COMMIT_TMP_RE = re.compile(r"^\." + re.escape(COMMIT_FILE) + r"\.tmp-\d+-[0-9a-f]+$")
+_RUN_CHECKPOINT_RE = re.compile(r"^checkpoint[-_]\d+$")
+_IDLE_S = 60.0
+
+
+def _temporaries(path: str) -> list[tuple[str, str | None]]:
+    """(file name, its save's token or None) of the temporaries a save of this module leaves in ``path``."""
+    try:
+        entries = os.listdir(path)
+    except OSError:
+        return []
+    out = []
+    for entry in entries:
+        m = _SHARD_TMP_RE.match(entry)
+        if m or _COMMIT_TMP_RE.match(entry):
+            out.append((entry, m.group(1) if m else None))
+    return out
+
+
+def _remove_older(path: str, names: list[str], before: float | None) -> list[str]:
+    """Remove the files ``names`` of ``path`` last written before ``before`` (None: any); returns those removed."""
+    removed = []
+    for name in names:
+        full = os.path.join(path, name)
+        with contextlib.suppress(OSError):
+            if before is None or os.stat(full).st_mtime < before:
+                os.remove(full)
+                removed.append(full)
+    return removed
+
+
 def _remove_stale(path: str, token: str) -> None:
+    """After ``token``'s commit in ``path`` (rank 0): other saves' files, and stale temporaries (see
+    [Note: stale temporaries])."""
     for entry in os.listdir(path):
         m = _SHARD_RE.match(entry)
-        ours_tmp = entry.startswith((".shard-", f".{COMMIT_FILE}.tmp-")) and ".tmp-" in entry
-        if (m and m.group(1) != token) or ours_tmp:
+        if m and m.group(1) != token:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(path, entry))
+    _remove_older(path, [name for name, _ in _temporaries(path)], None)
+    with contextlib.suppress(OSError):
+        here = os.path.abspath(path)
+        checkpoint, name = os.path.dirname(here), os.path.basename(here)
+        if not _RUN_CHECKPOINT_RE.match(os.path.basename(checkpoint)):
+            return
+        tree = os.path.dirname(checkpoint)
+        for sibling in os.listdir(tree):
+            other = os.path.join(tree, sibling, name)
+            if _RUN_CHECKPOINT_RE.match(sibling) and other != here and os.path.isdir(other):
+                _remove_older(other, [n for n, _ in _temporaries(other)], time.time() - _IDLE_S)
+
+
+def remove_stale_after_load(path: str | os.PathLike) -> list[str]:
+    """Remove the temporaries in ``path`` that a load may remove ([Note: stale temporaries]): idle and not of
+    the save it loaded. Call on one rank once every rank has read. Returns the paths removed."""
+    path = os.fspath(path)
+    token = token_at(path)
+    return _remove_older(path, [n for n, t in _temporaries(path) if t is None or t != token], time.time() - _IDLE_S)
 
 
 # [Note: confined records]

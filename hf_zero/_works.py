@@ -9,9 +9,10 @@ seen with ``gdb`` in ``ProcessGroupGloo::runLoop`` freeing an ``AsyncBroadcastWo
 cf. pytorch/pytorch#179291). So nothing of hf_zero runs on a backend's threads (results
 are finished by whoever waits, :class:`Pending`), and on gloo the work objects of
 hf_zero's collectives are kept from their start (:func:`keep`), waited for or not: a
-worker thread never holds the last reference at exit. The one early release,
-:func:`let_go_completed`, runs only inside a rebuild, mid-run, where a worker thread that
-frees a work takes the GIL as any thread may.
+worker thread never holds the last reference at exit. The early releases:
+:func:`let_go_completed` inside a rebuild, mid-run, where a worker thread that frees a work
+takes the GIL as any thread may; :func:`let_go_settled` at the end of a run, after giving the
+worker threads a moment to let go first.
 """
 
 from __future__ import annotations
@@ -103,6 +104,18 @@ def let_go_completed() -> None:
     rebuild, which must not keep the old buffers and staging alive (never called at exit,
     where a worker thread must not be left the last reference)."""
     _KEPT.let_go_completed()
+
+
+def let_go_settled() -> None:
+    """:func:`let_go_completed` at the end of a run (an unbind, an optimizer collected), which may come right
+    before the interpreter exits: first the backends' threads get ``_SETTLE_S`` to let go of the works they
+    just completed (see the module note), so that this thread frees them, not a worker at exit."""
+    if _KEPT.held_completed():
+        time.sleep(_SETTLE_S)
+        _KEPT.let_go_completed()
+
+
+_SETTLE_S = 0.05
 
 
 def held_completed() -> int:

@@ -20,6 +20,7 @@ LAYERS = [
     "_params",
     "_grads",
     "_masters",
+    "_views",
     "_state",
     "_codec",
     "_statedict",

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -379,6 +380,59 @@ def test_save_killed_mid_write_leaves_previous_checkpoint_loadable(tmp_path):
     assert sorted(os.listdir(directory)) == sorted(
         [ckpt.COMMIT_FILE] + [f["file"] for f in json.loads((directory / ckpt.COMMIT_FILE).read_text())["files"]]
     )
+
+
+def _killed_mid_shard(tmp_path, directory) -> list:
+    """Run a save into ``directory`` that is SIGKILLed mid-shard; returns the temporaries it left."""
+    script = tmp_path / "killer.py"
+    script.write_text(_KILLER.format(root=_ROOT))
+    proc = subprocess.run([sys.executable, str(script), "shard", str(directory)], timeout=100, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    left = [n for n in os.listdir(directory) if n.startswith(".shard-") and ".tmp-" in n]
+    assert len(left) == 1 and os.path.getsize(directory / left[0]) > 0  # what the killed save leaves
+    os.utime(directory / left[0], (time.time() - 2 * ckpt._IDLE_S,) * 2)  # the run restarted since
+    return left
+
+
+def _others(directory) -> dict:
+    """Files of names close to a save's temporaries that are not stale ones of this hf_zero's (another
+    program's; a save's temporary being written now, as by another program saving there meanwhile),
+    all idle but the last."""
+    names = {"foreign": ".shard-notes.txt.tmp-1-ab", "near": ".shard-abc-rank00000-of-00002.safetensors.tmp-x",
+             "user": "mine.tmp-12-ab", "under way": ".shard-0123abcd-rank00001-of-00002.safetensors.tmp-77-abcdef"}
+    for what, name in names.items():
+        (directory / name).write_bytes(b"x")
+        if what != "under way":
+            os.utime(directory / name, (time.time() - 2 * ckpt._IDLE_S,) * 2)
+    return names
+
+
+@pytest.mark.reliability("A save SIGKILLed mid-shard leaves its temporary; the next load of that checkpoint, and the "
+                         "next save in another checkpoint of the run, remove it",
+                         "only that file goes: another program's files and a newer save's temporary stay")
+@pytest.mark.timeout(120)
+def test_the_next_load_or_save_in_the_tree_removes_a_killed_saves_temporary(tmp_path):
+    model, opt = _trained(steps=range(0, 2))
+    loaded = tmp_path / "loaded" / "hf_zero_optimizer"
+    opt.save_sharded(loaded)  # committed; then a later save into it is killed
+    left = _killed_mid_shard(tmp_path, loaded)
+    others = _others(loaded)
+    fresh = checkpoint_zero(CheckpointNet(), "adamw", "param", False)
+    fresh.load_sharded(loaded)
+    assert_state_dicts_equal(fresh.state_dict(), opt.state_dict())  # the committed checkpoint, loaded
+    assert not any((loaded / n).exists() for n in left)
+    assert all((loaded / n).exists() for n in others.values())
+
+    run = tmp_path / "run"
+    killed = run / "checkpoint-2" / "hf_zero_optimizer"
+    left = _killed_mid_shard(tmp_path, killed)  # the run's save at step 2, killed: no commit there
+    others = _others(killed)
+    elsewhere = tmp_path / "elsewhere" / "hf_zero_optimizer"  # not a checkpoint of the run
+    left_elsewhere = _killed_mid_shard(tmp_path, elsewhere)
+    opt.save_sharded(run / "checkpoint-4" / "hf_zero_optimizer")  # the resumed run's next save
+    assert not any((killed / n).exists() for n in left)
+    assert all((killed / n).exists() for n in others.values())
+    assert all((elsewhere / n).exists() for n in left_elsewhere)
 
 
 # -- a plain optimizer.pt streamed from the sharded files -------------------------------------------

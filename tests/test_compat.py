@@ -132,6 +132,7 @@ def _changed_targets():
     return [
         ("watch_trainer", lambda mp: _compat.watch_trainer(Old)),
         ("before_optimizer_save", lambda mp: _compat.before_optimizer_save(type("T", (), {}), print)),
+        ("after_failed_train", lambda mp: _compat.after_failed_train(type("T", (), {"train": lambda self: None}), print)),
         ("before_prepare", lambda mp: _compat.before_prepare(Old, print)),
         ("after_prepare", lambda mp: _compat.after_prepare(Old, print)),
         ("prepare_without_ddp", lambda mp: _compat.prepare_without_ddp(NoEvaluationMode, print)),
@@ -437,3 +438,36 @@ def _autograd_grad_is_told_apart():
     out.backward(inputs=[w], retain_graph=True)
     out.backward()
     assert seen == [False, True, True]
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_a_train_that_raises_reaches_the_failure_hook_and_unbinds(tmp_path, error):
+    """Trainer's callbacks get no event when train() raises (on_train_end comes only from the inner loop's
+    normal end): after_failed_train wraps Trainer.train, and what it calls unbinds the optimizer before the
+    exception goes on (an interrupt or an error in a callback; a stage-2 binding is the one that shows)."""
+    from transformers import TrainerCallback
+
+    from tests.hf_trainer_cases import TokenDataset
+
+    assert getattr(Trainer.train, _compat._TRAINER_WRAPPED, False)
+    wrapped = Trainer.train
+    _compat.after_failed_train(Trainer, hf_tr._unbind_after_failure)
+    assert Trainer.train is wrapped  # idempotent
+
+    class Raise(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                raise error("stop")
+
+    model = tiny_bert()
+    never = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks), sorted(m.__dict__))
+             for m in tiny_bert().modules()]
+    trainer = Trainer(model=model, train_dataset=TokenDataset(), callbacks=[Raise()],
+                      args=_args(tmp_path, optim="zero_bucket", optim_args="stage=2", max_steps=3,
+                                 per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True))
+    with pytest.raises(error, match="stop"):
+        trainer.train()
+    assert [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks), sorted(m.__dict__))
+            for m in model.modules()] == never
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == len(list(model.parameters()))

@@ -386,6 +386,30 @@ def before_optimizer_save(trainer_class: type, before: Callable[[Any, str], None
     trainer_class._save_optimizer_and_scheduler = _save_optimizer_and_scheduler
 
 
+def after_failed_train(trainer_class: type, failed: Callable[[Any], None]) -> None:
+    """Call ``failed(trainer)`` when ``trainer_class.train`` raises (any exception, ``KeyboardInterrupt``
+    included), before the exception goes on.
+
+    Trainer's callbacks see ``on_train_end`` only when ``train()`` returns: an exception in a step or a
+    callback, or an interrupt, leaves through no event (transformers 4.57.1 to 5.24). Its subclasses
+    (TRL's trainers among them) reach ``Trainer.train`` through ``super()``. Idempotent."""
+    train = _require(trainer_class, "train", "transformers", "after_failed_train")
+    if getattr(train, _TRAINER_WRAPPED, False):
+        return
+    _check_params("after_failed_train", "transformers", train, ("self", "resume_from_checkpoint"), prefix=True)
+
+    @functools.wraps(train)
+    def wrapped_train(self, *args, **kwargs):
+        try:
+            return train(self, *args, **kwargs)
+        except BaseException:
+            failed(self)
+            raise
+
+    setattr(wrapped_train, _TRAINER_WRAPPED, True)
+    trainer_class.train = wrapped_train
+
+
 # Trainer.log's parameters, read in transformers 4.57.1 to 5.24: it appends a copy of ``logs``,
 # ``{**logs, "step": state.global_step}``, to ``state.log_history`` and then calls the callbacks' ``on_log``
 # with ``logs``: keys a callback adds to ``logs`` reach the printed line and the reporting integrations

@@ -13,14 +13,13 @@ from __future__ import annotations
 import os
 import shutil
 import weakref
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import _offline
-from .._binding import Hook
-from .._masters import watch_alias
+from .._binding import claimants
+from .._views import own_storage_watched, separate_views
 from .._optimizer import ZeroBucketOptimizer
 from . import _compat
 from ._backward import attach_grad_averaging, guard_frozen_under_ddp, unwrap_ddp
@@ -131,6 +130,7 @@ def _before_prepare(accelerator, objects=()) -> None:
     prepared): refuse the engines hf_zero cannot serve, and, when a model is among them,
     have DDP keep each ``p.grad`` as a view of its bucket (``gradient_as_bucket_view``):
     otherwise the grads are held twice, in ``p.grad`` and in DDP's buckets."""
+    _end_older_runs(accelerator, objects)
     if not any(ours(o) is not None for o in (*objects, *_compat.prepared_optimizers(accelerator))):
         return
     _compat.warn_untested()
@@ -139,6 +139,28 @@ def _before_prepare(accelerator, objects=()) -> None:
     wiring.stage2 = weakref.WeakSet(o for o in map(ours, objects) if o is not None and _stage2(o))
     if any(isinstance(o, torch.nn.Module) for o in objects):
         _grads_as_bucket_views(accelerator)
+
+
+# binding -> the accelerator whose wiring bound it (both weakly)
+_BOUND_BY: "weakref.WeakKeyDictionary[object, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _end_older_runs(accelerator, objects) -> None:
+    """[Note: a newer binding takes over] for runs without an optimizer of hf_zero's: a model being prepared
+    starts a run, so the bindings over its params that another Accelerator's wiring made (a run interrupted
+    without ``end_training()``, whose objects a notebook keeps) end, and are not bound again."""
+    params = [p for o in objects if isinstance(o, torch.nn.Module) for p in unwrap_ddp(o).parameters()]
+    for binding in claimants(params):
+        ref = _BOUND_BY.get(binding)
+        if ref is not None and ref() is not accelerator:
+            binding.take_over()
+
+
+def _taken_over_by(optimizer) -> None:
+    """A newer optimizer that is not hf_zero's, prepared over params an hf_zero binding serves, takes them over."""
+    params = [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"]]
+    for binding in claimants(params):
+        binding.take_over()
 
 
 def _stage2(opt: ZeroBucketOptimizer) -> bool:
@@ -223,6 +245,8 @@ def _wire(accelerator, prepared=None) -> bool:
     wiring = _WIRED.setdefault(accelerator, _Wiring())
     if isinstance(prepared, torch.nn.parallel.DistributedDataParallel):
         wiring.ddps.add(prepared)
+    if isinstance(prepared, torch.optim.Optimizer) and ours(prepared) is None:
+        _taken_over_by(getattr(prepared, "optimizer", prepared))
     optimizers = [o for o in map(ours, _compat.prepared_optimizers(accelerator)) if o is not None]
     if not optimizers:
         return False
@@ -258,7 +282,10 @@ def _refuse_run(accelerator, optimizers: list[ZeroBucketOptimizer]) -> None:
 def _bind(accelerator, wiring: _Wiring, opt: ZeroBucketOptimizer) -> None:
     """Bind ``opt`` to what the accelerator prepared: its GradScaler (stage 2), the DDP wrapping its params
     (stage 1) or the unwrapped model holding them (stage 2), and the grad averaging and freeze guard on
-    that model (stage 1). Idempotent."""
+    that model (stage 1). Idempotent. One taken over by a newer binding over its params (a later prepared
+    optimizer: [Note: a newer binding takes over] in hf_zero/_binding.py) stays unbound."""
+    if opt.gradient_path.taken_over:
+        return
     if _stage2(opt) and getattr(accelerator, "scaler", None) is not None:
         # fp16: the scaler unscales and inf-checks the shards ([Note: GradScaler over sharded grads], amp.py)
         prepare_grad_scaler(accelerator.scaler)
@@ -282,6 +309,7 @@ def _bind(accelerator, wiring: _Wiring, opt: ZeroBucketOptimizer) -> None:
             grad_scaler=getattr(accelerator, "scaler", None) is not None,
             overlap_units=_compat.block_classes(ddp.module),
         )
+    _BOUND_BY[opt.gradient_path.binding] = weakref.ref(accelerator)
     for model in _compat.prepared_models(accelerator):
         if _stage2(opt) and _holds(opt, model):
             _bind_stage2(accelerator, opt, model)
@@ -330,59 +358,12 @@ def _find_unused(accelerator) -> bool:
     return bool(getattr(accelerator.ddp_handler, "find_unused_parameters", False))
 
 
-def _own_storage(state_dict: dict) -> dict[str, torch.Tensor]:
-    """Give every tensor that shares storage with a *different* tensor a storage object of
-    its own, over the same memory (``torch.from_dlpack``: no copy; savers that refuse or
-    copy shared storage, as safetensors and transformers' ``save_pretrained`` do, see
-    separate tensors). Returns the entries replaced (name -> alias).
-
-    Exact aliases (tied weights: same data, shape and strides) stay aliases of one
-    tensor, so Accelerate still drops the duplicates it is meant to drop.
-    """
-    by_storage: dict[tuple, list[str]] = defaultdict(list)
-    for name, t in state_dict.items():
-        if isinstance(t, torch.Tensor) and t.device.type != "meta":
-            by_storage[(t.device, t.untyped_storage().data_ptr())].append(name)
-    replaced = {}
-    for names in by_storage.values():
-        if len(names) < 2:
-            continue
-        copies: dict[tuple, torch.Tensor] = {}
-        for name in names:
-            t = state_dict[name]
-            key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-            if key not in copies:
-                copies[key] = torch.from_dlpack(t.detach())
-            state_dict[name] = replaced[name] = copies[key]
-    return replaced
-
-
-class _OwnStorage(Hook):
-    """The model's state-dict post-hook of :func:`separate_views_in_state_dict` (no ``__slots__``: torch marks
-    the hooks it is given with an attribute)."""
-
-    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
-        _own_storage_watched(state_dict, module, prefix)
-
-
-def _own_storage_watched(state_dict: dict, module: torch.nn.Module, prefix: str = "") -> None:
-    """:func:`_own_storage`, and the masters of ``module``'s params (named ``prefix`` + their name in
-    ``state_dict``) follow writes through the aliases it hands out ([Note: writes through a state
-    dict's aliases] in _masters.py)."""
-    replaced = _own_storage(state_dict)
-    if replaced:
-        params = {prefix + n: p for n, p in module.named_parameters(remove_duplicate=False)}
-        for name, alias in replaced.items():
-            if name in params:
-                watch_alias(alias, params[name])
-
-
 def separate_views_in_state_dict(model: torch.nn.Module, opt: ZeroBucketOptimizer) -> None:
     """Make ``model.state_dict()`` give bucket views storage objects of their own (see
-    :func:`_own_storage`; Trainer saves ``model.state_dict()`` with ``save_pretrained``,
+    :func:`hf_zero._views.own_storage`; Trainer saves ``model.state_dict()`` with ``save_pretrained``,
     which would otherwise clone every one of them: the whole model once more), until
     ``opt.unbind()``. Idempotent."""
-    opt.gradient_path.binding.once(model, "own_storage", lambda: model.register_state_dict_post_hook(_OwnStorage()))
+    separate_views(model, opt.gradient_path.binding)
 
 
 def _owning_get_state_dict(accelerator, get_state_dict):
@@ -393,7 +374,7 @@ def _owning_get_state_dict(accelerator, get_state_dict):
     def owning(model, *args, **kwargs):
         state_dict = get_state_dict(model, *args, **kwargs)
         if accelerator.is_main_process and isinstance(state_dict, dict):
-            _own_storage_watched(state_dict, unwrap_ddp(model))
+            own_storage_watched(state_dict, unwrap_ddp(model))
         return state_dict
 
     owning.__doc__ = get_state_dict.__doc__

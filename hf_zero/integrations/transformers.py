@@ -340,6 +340,7 @@ def register() -> None:
         _compat.watch_trainer(transformers.Trainer)
         _compat.before_optimizer_save(transformers.Trainer, _before_optimizer_save, _after_optimizer_save)
         _compat.serve_loaded_optimizer_state(_serve_reference)
+        _compat.after_failed_train(transformers.Trainer, _unbind_after_failure)
         if ZeroBucketCallback not in transformers.trainer.DEFAULT_CALLBACKS:
             transformers.trainer.DEFAULT_CALLBACKS.append(ZeroBucketCallback)
     except BaseException:
@@ -388,9 +389,10 @@ class ZeroBucketCallback(TrainerCallback):
       the sharded state (any number of processes), from the resumed checkpoint; a
       Trainer with another optimizer (``--optim adamw_torch``) resuming such a
       checkpoint gets the plain state dict built from those files;
-    - at train end it unbinds the optimizer (``optimizer.unbind()``): the model keeps no
-      hook or attribute of hf_zero's, so a later Trainer on it (or a second ``train()``)
-      binds it afresh;
+    - at train end, and when ``train()`` raises (an interrupt, an error in a step or a
+      callback), it unbinds the optimizer (``optimizer.unbind()``): the model keeps no
+      hook or attribute of hf_zero's and its params own their storage, so a later Trainer
+      on it (or a second ``train()``) binds it afresh and any saver takes it;
     - it adds ZeRO facts (per-rank trainable elements and optimizer-state bytes,
       rebuild count) to ``state.log_history`` at train begin, after the first step (the
       optimizer state exists then) and after each rebuild, and their summary to the next
@@ -549,6 +551,18 @@ class ZeroBucketCallback(TrainerCallback):
             if entry is not None:
                 entry.update(self._pending)
             self._pending = {}
+
+
+def _unbind_after_failure(trainer) -> None:
+    """``train()`` raised (an exception in a step or a callback, an interrupt): no ``on_train_end`` comes, so
+    the optimizer is unbound here, as there ([Note: a binding ends with its run]); the exception goes on."""
+    opt = ours(getattr(trainer, "optimizer", None))
+    if opt is None:
+        return
+    try:
+        opt.unbind()
+    except Exception:  # the run's own exception is the one to see
+        logger.warning("hf_zero: unbinding the optimizer after train() raised failed", exc_info=True)
 
 
 def _before_optimizer_save(trainer, output_dir: str) -> None:
