@@ -212,8 +212,6 @@ class GradientPath:
                 "full averaged grad until zero_grad(), as under DDP"
             )
         _refuse_needing_ddp(module)
-        if not self.stage2.bound and bucket_cap_mb > 0 and not isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            self.binding.claim(self._table().params)  # bound already: the same module (a no-op) or refused
         self.stage2.bind(module, self.binding, cap_bytes=int(bucket_cap_mb * (1 << 20)), broadcast_buffers=broadcast_buffers,
                          local_accumulation=local_accumulation)
         separate_views(module, self.binding)  # savers take the bound model: [Note: views in a state dict]

@@ -145,6 +145,35 @@ def test_a_takeover_that_leaves_params_unserved_is_refused_at_the_next_forward()
         model(*model.batch(1, BATCH))
 
 
+@pytest.mark.fast
+def test_a_bind_that_is_refused_takes_nothing_over():
+    """Every refusal of a bind comes before the takeover: a newer optimizer over the head, refused for its
+    local_accumulation (the backbone's optimizer, which stays, bound with another), leaves the head's older
+    optimizer bound, and the model trains on as if the refused bind had never been tried."""
+    def run(try_a_refused_bind: bool):
+        torch.manual_seed(0)
+        model = MLP()
+        body = [p for n, p in model.named_parameters() if not n.startswith("net.4.")]
+        backbone = hf_zero.ZeroBucketOptimizer(body, torch.optim.AdamW, lr=1e-2, stage=2)
+        head = hf_zero.ZeroBucketOptimizer(model.net[4].parameters(), torch.optim.AdamW, lr=1e-2, stage=2)
+        backbone.bind_module(model, local_accumulation=False)
+        head.bind_module(model, local_accumulation=False)
+        if try_a_refused_bind:
+            newer = hf_zero.ZeroBucketOptimizer(model.net[4].parameters(), torch.optim.AdamW, lr=1e-2, stage=2)
+            with pytest.raises(ValueError, match="local_accumulation must be the same for every optimizer bound"):
+                newer.bind_module(model, local_accumulation=True)
+            assert not head.gradient_path.taken_over
+        for step in range(3):
+            model(*model.batch(step, BATCH)).backward()
+            backbone.step()
+            head.step()
+            backbone.zero_grad()
+            head.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert_params_equal(run(True), run(False), "after a refused bind vs never tried")
+
+
 def _save_and_load_back(model, path):
     import safetensors.torch
 

@@ -65,8 +65,10 @@ def reducers_of(module: torch.nn.Module) -> list[Reducer]:
     return [r for r in found if r is not None and r.module_ref is not None and r.module_ref() is module]
 
 
-def refuse_binding(module: torch.nn.Module, bound_ref, *, cap_bytes: int, local_accumulation: bool) -> list:
-    """Refuse a bind before anything changes; return the other reducers bound to ``module``."""
+def refuse_binding(module: torch.nn.Module, bound_ref, *, cap_bytes: int, local_accumulation: bool,
+                   leaving=()) -> None:
+    """Refuse a bind before anything changes (``leaving``: the bindings the bind will take over, whose reducers
+    are no longer bound to ``module`` then)."""
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(
             "bind_module: stage=2 takes gradient synchronisation over from DistributedDataParallel; "
@@ -74,7 +76,7 @@ def refuse_binding(module: torch.nn.Module, bound_ref, *, cap_bytes: int, local_
         )
     if bound_ref is not None:
         raise ValueError("bind_module: this optimizer is already bound to another module; call optimizer.unbind() first")
-    others = reducers_of(module)
+    others = [o for o in reducers_of(module) if o.binding not in leaving]
     if getattr(module, "no_sync", None) is not None and not others and not isinstance(module.no_sync, _NoSync):
         raise ValueError(f"bind_module: {type(module).__name__} already has a no_sync attribute")
     if any(o.local_accumulation != local_accumulation for o in others):
@@ -84,7 +86,6 @@ def refuse_binding(module: torch.nn.Module, bound_ref, *, cap_bytes: int, local_
         )
     if cap_bytes <= 0:
         raise ValueError(f"bucket_cap_mb must be positive, got {cap_bytes / (1 << 20)}")
-    return others
 
 
 def check_coverage(module: torch.nn.Module) -> bool:

@@ -117,14 +117,16 @@ from collections import deque
 
 import torch
 
-from .._binding import Binding
+from .._binding import Binding, claimants
 from .._comm import Comm, early_divisor
 from .._engine import (
     accumulates, graph_task_id, in_functorch, queue_end_of_backward, reentrant_region_below, tree_tensors, will_run,
 )
 from .buffers import ReceivedBuffers, broadcast_at_bind
 from .grads import ShardedGrads, Shards, unscale
-from .hooks import ARMED, ParamHooks, anchor_outputs, arming_hook, attach, check_coverage, detach, refuse_binding
+from .hooks import (
+    ARMED, ParamHooks, anchor_outputs, arming_hook, attach, check_coverage, detach, reducers_of, refuse_binding,
+)
 from .plan import DEFAULT_BUCKET_CAP_MB, CurrentPlan, Plan, buckets_in_flight, shard_dtype
 from .pool import BucketPool
 from .stand_ins import StandIns, refuse_unreduced
@@ -147,6 +149,7 @@ class Reducer:
         self._broadcast_buffers = False
         self._buffers = ReceivedBuffers()
         self._param_hooks: ParamHooks | None = None  # while bound
+        self.binding: Binding | None = None  # while bound
         self._coverage_due, self.local_accumulation = False, True  # bound with params it does not hold; see bind
         self._deferred = False  # this backward reduces at its end only: [Note: several optimizers over one module]
         self._stand_ins = StandIns()
@@ -189,8 +192,12 @@ class Reducer:
         ``no_sync`` are shared by the reducers bound to it ([Note: several optimizers over one module])."""
         if self.module_ref is not None and self.module_ref() is module:
             return
-        others = refuse_binding(module, self.module_ref, cap_bytes=cap_bytes, local_accumulation=local_accumulation)
         table = self._table()
+        refuse_binding(module, self.module_ref, cap_bytes=cap_bytes, local_accumulation=local_accumulation,
+                       leaving=claimants(table.params))
+        binding.claim(table.params)  # [Note: a newer binding takes over] in _binding.py: after every refusal
+        others = reducers_of(module)
+        self.binding = binding
         self._coverage_due = any(p.requires_grad and table.index(p) is None for p in module.parameters())
         self.cap_bytes = cap_bytes
         self.local_accumulation = local_accumulation
@@ -209,7 +216,7 @@ class Reducer:
         leave ``p.grad``) and forget the module, so that a later bind hooks everything again."""
         module = self.module_ref() if self.module_ref is not None else None
         self.step_taken()
-        self.module_ref, self._param_hooks, self._coverage_due = None, None, False
+        self.module_ref, self._param_hooks, self._coverage_due, self.binding = None, None, False, None
         self._plans.forget()
         broadcasting, self._broadcast_buffers = self._broadcast_buffers, False
         if module is not None:
