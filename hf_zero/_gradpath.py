@@ -113,6 +113,20 @@ class GradientPath:
         """Params whose grads hold the average only in this rank's ranges until the next step."""
         return self.reducer.partial_grads if self.reducer is not None else set()
 
+    def refuse_partial_after_step(self, chosen: set[int], what: str) -> None:
+        """Raise if a ``chosen`` param's ``p.grad`` is what a step left of a reduce-scattered grad (the average in
+        this rank's ranges only) and a syncing backward has not replaced it yet: nothing tells it from a grad
+        accumulated since, so its full value cannot be had."""
+        stale = chosen & self.reducer.stepped_partial if self.reducer is not None else set()
+        table = self._table()
+        for i in sorted(stale):
+            if table.params[i].grad is not None:
+                raise RuntimeError(
+                    f"hf_zero: {what}({table.label(i)}) after the step: its grad was reduce-scattered, so after the "
+                    "step p.grad holds the average only in this rank's ranges; read it between the backward and the "
+                    "step, or use grad_reduce='all_reduce' (p.grad whole until zero_grad(), as under DDP)"
+                )
+
     def mark_reduced(self, mask: tuple[bool, ...], *, keep: bool = False) -> None:
         """DDP reduces the params trainable in ``mask`` (``keep``: unless already recorded)."""
         if not (keep and self.ddp_reduced is not None):

@@ -543,6 +543,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
 def _clip_args(opt: ZeroBucketOptimizer, parameters, what: str) -> tuple[set[int], list, set[int], Any]:
     """(chosen, this rank's pieces, the partial grads, stage 2's grads), after averaging the unreduced grads."""
     chosen = opt._table.selected(parameters, what)
+    if what in ("full_grad", "local_grad"):
+        opt._grad.refuse_partial_after_step(chosen, what)
     if not opt._iteration.grads_averaged:
         opt.average_unreduced_grads()
     sharded = opt._grad.sharded_grads()

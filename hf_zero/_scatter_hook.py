@@ -68,6 +68,8 @@ class BucketReducer:
         self.reduced_since_step: set[int] = set()  # bucket indices
         # Params whose grads hold the average only in this rank's ranges until the next step.
         self.partial_grads: set[int] = set()
+        # Those the last step left so (p.grad stays partial until zero_grad): until the next syncing backward
+        self.stepped_partial: set[int] = set()
         self._queued = False
         # This backward's collectives and the futures DDP waits on: finished on the
         # backward's own thread before DDP's finalizer runs (see _finish_collectives).
@@ -91,6 +93,7 @@ class BucketReducer:
     def step_taken(self) -> None:
         self.non_finite = None
         self.reduced_since_step.clear()
+        self.stepped_partial |= self.partial_grads
         self.partial_grads.clear()
 
     def detach(self) -> None:
@@ -126,6 +129,7 @@ class BucketReducer:
         if opt is None:
             return
         self.partial_grads |= in_scattered
+        self.stepped_partial = set()
         if scattered and self.agree_on_finite:
             self.non_finite = _agree_on_finite(opt, scattered, in_scattered)
         if self.last is None or structure == self.last:

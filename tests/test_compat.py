@@ -371,28 +371,6 @@ def test_accelerate_marks_a_prepared_model_and_leaves_a_marked_one_alone():
     assert _compat.prepared_mark(torch.nn.Linear(2, 2)) is None
 
 
-def test_a_copy_of_a_bound_module_does_not_carry_its_prepared_mark():
-    """Stage 2 prepares the user's own module, and Accelerate marks it: a deep copy (EMA, model soups) or a
-    pickled one must not carry that mark, or another Accelerator returns the copy as prepared, without DDP,
-    and its grads are never averaged. Accelerate still reads the bound module's mark as set."""
-    import copy
-    import pickle
-
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    model = torch.nn.Linear(2, 2)
-    model.__dict__[_compat.PREPARED_MARK] = True
-    _compat.mark_bound(model, _compat.PREPARED_MARK)
-    assert getattr(model, _compat.PREPARED_MARK, False)
-    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-        assert getattr(twin, _compat.PREPARED_MARK) is False
-        AcceleratorState._reset_state()
-        GradientState._reset_state()
-        prepared = Accelerator(cpu=True).prepare(twin)
-        assert _compat.prepared_mark(prepared) == _compat.PREPARED_MARK  # prepared afresh, so marked again
-
-
 def test_route_unscale_is_what_gradscaler_reads_grads_through():
     """hf_zero/integrations/amp.py relies on torch's GradScaler finding an optimizer's grads only
     through ``_unscale_grads_`` (in ``unscale_`` and in ``step`` without one), and on ``step``

@@ -87,13 +87,21 @@ def _sanitise(rank, mode: str, idiom: str):
     return [t.detach().clone() for t in model.parameters()], refusals
 
 
+def _refusal(read) -> str | None:
+    try:
+        read()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
 def _read(rank, mode: str):
     """Per-layer grad norms and the full grads, read between backward and step (full_grad under hf_zero,
     p.grad under DDP); the sum of squares over every rank's local_grad (all-reduced). Six steps: stage 1
     reduce-scatters from the third backward on (once its layout follows DDP's rebuilt buckets)."""
     model = _mlp(8)
     m, opt = _wrap(model, mode)
-    norms, fulls, local_sq, partial = [], [], [], []
+    norms, fulls, local_sq, partial, after_step = [], [], [], [], []
     for step in range(6):
         m(_data(step, rank, 4, 5)).square().mean().backward()
         for p in model.parameters():
@@ -110,8 +118,12 @@ def _read(rank, mode: str):
         if mode == "stage1-rs":
             partial.append(len(opt.gradient_path.partial_grads))
         opt.step()
+        if mode == "stage1-rs":  # AdaLoRA's moment, after the step: refused where p.grad is left partial
+            after_step += [_refusal(lambda: opt.full_grad(p)) for p in model.parameters()]
         opt.zero_grad()
-    return norms, fulls, local_sq, [t.detach().clone() for t in model.parameters()], partial
+        if mode == "stage1-rs":
+            assert all(opt.full_grad(p) is None for p in model.parameters())  # as DDP's p.grad after zero_grad()
+    return norms, fulls, local_sq, [t.detach().clone() for t in model.parameters()], partial, after_step
 
 
 def _adalora(rank, mode: str):
@@ -210,6 +222,9 @@ def test_full_grad_and_local_grad_read_what_ddp_p_grad_holds_at_stage_2_and_stag
         for mode, got in zip(("stage2", "stage1-rs"), zero):
             for part, (want, have) in enumerate(zip(ddp[:4], got[:4])):
                 _close(have, want, f"rank {rank}, {mode}, part {part}")
+        refused = zero[1][5][-len(ddp[3]):]  # the last step's: every grad partial then
+        assert all(r is not None and "after the step: its grad was reduce-scattered" in r
+                   and "grad_reduce='all_reduce'" in r for r in refused), refused
 
 
 @pytest.mark.timeout(150)

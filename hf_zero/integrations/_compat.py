@@ -226,28 +226,6 @@ def prepared_mark(model) -> str | None:
     return PREPARED_MARK if getattr(model, "__dict__", {}).get(PREPARED_MARK) is True else None
 
 
-class _BoundMark:
-    """Accelerate's prepared mark on a module hf_zero bound (stage 2 prepares the user's own module, not a DDP
-    wrapper): true, as Accelerate reads it (``getattr(model, mark, False)``), and false in a copy of the module
-    (``copy.deepcopy``, pickling), which nothing bound: another Accelerator prepares the copy afresh."""
-
-    __slots__ = ()
-
-    def __bool__(self) -> bool:
-        return True
-
-    def __deepcopy__(self, memo) -> bool:
-        return False
-
-    def __reduce__(self):
-        return (bool, (False,))
-
-
-def mark_bound(model, mark: str) -> None:
-    """Make ``model``'s prepared mark ``mark`` (from :func:`prepared_mark`) one that its copies do not carry."""
-    model.__dict__[mark] = _BoundMark()
-
-
 # -- torch -----------------------------------------------------------------------------
 # torch.amp.GradScaler._unscale_grads_'s parameters, read in torch 2.13 (FSDP's ShardedGradScaler overrides it
 # with the same ones); route_unscale checks them when it is used, tests/test_compat.py what the scaler does with it.

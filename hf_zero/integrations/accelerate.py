@@ -209,8 +209,7 @@ def _bind_stage2(accelerator, opt: ZeroBucketOptimizer, model: torch.nn.Module) 
                "broadcast_buffers": True if buffers is None else bool(buffers), **_BIND_OPTIONS.get(opt, {})}
     opt.bind_module(model, **options)
     mark = _compat.prepared_mark(model)
-    if mark is not None:  # Accelerate marked the user's own module: unmarked when the binding ends, not copied
-        _compat.mark_bound(model, mark)
+    if mark is not None:  # Accelerate marked the user's own module: unmarked when the binding ends
         opt.gradient_path.binding.adopt_attribute(model, mark)
 
 
