@@ -286,7 +286,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
         self.wait_param_sync()
         self._ensure_partition(force=False, blocking=False, payload=None if grads is None else grads.presence_flags())
         local_loss = _step_pieces(self, kwargs, grads)
-        self._check.end_of_step(self._comm, self._table)
+        self._check.end_of_step(self._comm, self._table, synced=not self.overlaps_param_sync)
         self._iteration = _Iteration()
         self._grad.step_taken()
         self._lifecycle.stepped()

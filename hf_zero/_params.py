@@ -174,7 +174,8 @@ class LayoutCheck:
     Each step every rank starts one small all-reduce of its params' fingerprint and whether it must
     re-partition (``Comm.start_agreement``). A rank where nothing changed since the last agreed step (the
     steady case) steps on and reads the result at the read point ([Note: reading an agreement late] in
-    _comm.py): the end of the step on the CPU, the start of the next on an accelerator. A rank where something
+    _comm.py): the end of the step on the CPU, the start of the next on an accelerator or with the overlapped
+    parameter sync (whose pending collectives a dead peer would otherwise turn into a failed step). A rank where something
     changed (its trainable set or shapes, a load, ``refresh_trainable()``, the first step) reads at once. If
     every rank is such a rank and the fingerprints agree, every rank re-partitions now. Otherwise some rank
     is steady and steps with the current layout: the changed ranks *mirror* it, taking the step's collectives
@@ -211,14 +212,16 @@ class LayoutCheck:
         self._late, self.mirroring = (agreement, True), True
         return False
 
-    def end_of_step(self, comm, table: ParamTable) -> None:
-        """The step's collectives were waited for: read the check (CPU) or queue its copy to the host."""
+    def end_of_step(self, comm, table: ParamTable, *, synced: bool) -> None:
+        """The step ended (``synced``: its collectives were waited for, not left to an overlapped parameter
+        sync): read the check (CPU, synced) or queue its copy to the host (an accelerator); otherwise the next
+        step reads it, after waiting for the sync."""
         if self._late is None:
             return
-        if comm.device.type == "cpu":
-            self.read_late(comm, table)
-        else:
+        if comm.device.type != "cpu":
             self._late[0].settle()
+        elif synced:
+            self.read_late(comm, table)
 
     def read_late(self, comm, table: ParamTable) -> None:
         """Read the last step's check, if not read yet: raise on every rank where ranks disagreed. Collective

@@ -483,6 +483,7 @@ class ZeroBucketCallback(TrainerCallback):
             candidates.insert(0, resumed)
         opt.load_pending_sharded([os.path.join(c, SHARDED_DIR) for c in candidates])
         opt.ensure_partition()
+        opt.memory_ledger()  # steps are observed from the first ledger on: the one logged after step 1 has their peaks
         self._rebuilds_logged = -1
         self._ledger_logged = False
         self._record(opt, state)
