@@ -497,6 +497,11 @@ class Agreement:
         self._pending.wait()
         return self._tensor[4:]
 
+    def wait(self) -> None:
+        """Wait for the all-reduce (nothing is read)."""
+        if self._tensor is not None:
+            self._pending.wait()
+
     def settle(self) -> None:
         """The step's collectives were waited for: on an accelerator, queue the result's copy to the host."""
         if self._values is None and not self._cpu and self._event is None:

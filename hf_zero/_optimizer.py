@@ -285,6 +285,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
         self._peaks.observe_step(self)  # the grads whole (or sharded), before the step frees them
         self.wait_param_sync()
         self._ensure_partition(force=False, blocking=False, payload=None if grads is None else grads.presence_flags())
+        if self.overlaps_param_sync:
+            self._check.before_overlapped_sync(self._comm)
         local_loss = _step_pieces(self, kwargs, grads)
         self._check.end_of_step(self._comm, self._table, synced=not self.overlaps_param_sync)
         self._iteration = _Iteration()

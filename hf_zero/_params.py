@@ -212,6 +212,13 @@ class LayoutCheck:
         self._late, self.mirroring = (agreement, True), True
         return False
 
+    def before_overlapped_sync(self, comm) -> None:
+        """On the CPU, before a sync the step does not wait for: let the check's all-reduce complete first
+        (no value is read), so that a peer that dies or stops in that sync leaves no all-reduce running,
+        which would hold one of gloo's threads, and the process at its exit."""
+        if self._late is not None and comm.device.type == "cpu":
+            self._late[0].wait()
+
     def end_of_step(self, comm, table: ParamTable, *, synced: bool) -> None:
         """The step ended (``synced``: its collectives were waited for, not left to an overlapped parameter
         sync): read the check (CPU, synced) or queue its copy to the host (an accelerator); otherwise the next
