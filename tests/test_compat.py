@@ -459,15 +459,21 @@ def test_a_train_that_raises_reaches_the_failure_hook_and_unbinds(tmp_path, erro
             if state.global_step == 1:
                 raise error("stop")
 
+    from accelerate import Accelerator
+
+    # Accelerate marks a prepared model; the binding removes the mark where prepare_model reads it (1.15), and
+    # the lowest Accelerate setup.cfg allows marks it at the end of prepare() and never reads it there (1.3)
+    reads = _compat.PREPARED_MARK in inspect.getsource(inspect.unwrap(Accelerator.prepare_model))
+    ignored = set() if reads else {_compat.PREPARED_MARK}
     model = tiny_bert()
-    never = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks), sorted(m.__dict__))
-             for m in tiny_bert().modules()]
+    never = [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks),
+              sorted(set(m.__dict__) - ignored)) for m in tiny_bert().modules()]
     trainer = Trainer(model=model, train_dataset=TokenDataset(), callbacks=[Raise()],
                       args=_args(tmp_path, optim="zero_bucket", optim_args="stage=2", max_steps=3,
                                  per_device_train_batch_size=4, save_strategy="no", disable_tqdm=True))
     with pytest.raises(error, match="stop"):
         trainer.train()
-    assert [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks), sorted(m.__dict__))
-            for m in model.modules()] == never
+    assert [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._state_dict_hooks),
+             sorted(set(m.__dict__) - ignored)) for m in model.modules()] == never
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
     assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == len(list(model.parameters()))
