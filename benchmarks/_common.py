@@ -95,30 +95,22 @@ def wire_bytes(name: str, args: tuple, kwargs: dict) -> tuple[int, float]:
     return t.nbytes, -1
 
 
-class CollectiveCounter:
-    """Wraps ``torch.distributed``'s collectives in this process (from construction until
-    :meth:`uninstall`); inside :meth:`recording`, ``calls`` holds (name, payload, wire bytes) per
-    call (see :func:`wire_bytes`). Used by tests/test_collectives.py and the benchmarks."""
+class CallCounter:
+    """Wraps the functions ``names`` of ``owner`` (a module or a class) in this process, from construction until
+    :meth:`uninstall`; inside :meth:`recording`, ``calls`` holds what :meth:`_wrap`'s wrapper records per call."""
 
-    def __init__(self):
-        import torch.distributed as dist
-
-        self.calls: list[tuple[str, int, float]] = []
+    def __init__(self, owner, names):
+        self._owner = owner
+        self.calls: list[tuple] = []
         self._active, self._saved = False, {}
-        for name in COLLECTIVES:
-            fn = getattr(dist, name, None)
+        for name in names:
+            fn = getattr(owner, name, None)
             if fn is not None:
                 self._saved[name] = fn
-                setattr(dist, name, self._wrap(name, fn))
+                setattr(owner, name, self._wrap(name, fn))
 
     def _wrap(self, name, fn):
-        @functools.wraps(fn)
-        def counted(*args, **kwargs):
-            if self._active:
-                self.calls.append((name, *wire_bytes(name, args, kwargs)))
-            return fn(*args, **kwargs)
-
-        return counted
+        raise NotImplementedError
 
     @contextlib.contextmanager
     def recording(self):
@@ -129,11 +121,29 @@ class CollectiveCounter:
             self._active = False
 
     def uninstall(self) -> None:
+        for name, fn in self._saved.items():
+            setattr(self._owner, name, fn)
+        self._saved = {}
+
+
+class CollectiveCounter(CallCounter):
+    """Wraps ``torch.distributed``'s collectives in this process (from construction until
+    :meth:`uninstall`); inside :meth:`recording`, ``calls`` holds (name, payload, wire bytes) per
+    call (see :func:`wire_bytes`). Used by tests/test_collectives.py and the benchmarks."""
+
+    def __init__(self):
         import torch.distributed as dist
 
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved = {}
+        super().__init__(dist, COLLECTIVES)
+
+    def _wrap(self, name, fn):
+        @functools.wraps(fn)
+        def counted(*args, **kwargs):
+            if self._active:
+                self.calls.append((name, *wire_bytes(name, args, kwargs)))
+            return fn(*args, **kwargs)
+
+        return counted
 
     def summary(self) -> dict:
         """Counts by kind, payload and wire bytes of the last recording (wire None if any is unknown)."""

@@ -69,19 +69,14 @@ class Options:
     grad_scaler: bool = False
 
 
-class HostReadCounter:
+class HostReadCounter(_common.CallCounter):
     """Wraps the ``torch.Tensor`` methods in :data:`READS` in this process (until :meth:`uninstall`); inside
     :meth:`recording`, ``calls`` holds (method, where) per call, ``where`` the first caller outside torch."""
 
     def __init__(self):
         import torch
 
-        self.calls: list[tuple[str, str]] = []
-        self._active, self._saved = False, {}
-        for name in READS:
-            fn = getattr(torch.Tensor, name)
-            self._saved[name] = fn
-            setattr(torch.Tensor, name, self._wrap(name, fn))
+        super().__init__(torch.Tensor, READS)
 
     def _wrap(self, name, fn):
         def counted(t, *args, **kwargs):
@@ -95,21 +90,6 @@ class HostReadCounter:
 
         counted.__name__ = name
         return counted
-
-    @contextlib.contextmanager
-    def recording(self):
-        self.calls, self._active = [], True
-        try:
-            yield self
-        finally:
-            self._active = False
-
-    def uninstall(self) -> None:
-        import torch
-
-        for name, fn in self._saved.items():
-            setattr(torch.Tensor, name, fn)
-        self._saved = {}
 
 
 def _caller() -> str:
