@@ -174,6 +174,34 @@ class PredictBetweenSteps(TrainerCallback):
             self.predictions.append(torch.from_numpy(self.trainer.predict(TokenDataset(n=8, seed=2)).predictions))
 
 
+def small_trainer(model, output_dir, optim, optim_args=None, callbacks=(), **overrides):
+    """A 3-step Trainer on :class:`TokenDataset` (batch 4, sequential order, clipping at 0.5, a line logged per
+    step, no saves); ``overrides``: more TrainingArguments."""
+    args = dict(output_dir=output_dir, optim=optim, optim_args=optim_args, per_device_train_batch_size=4,
+                max_steps=3, learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, logging_steps=1,
+                save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
+                average_tokens_across_devices=False, **IN_ORDER)
+    args.update(overrides)
+    return InOrderTrainer(model=model, args=TrainingArguments(**args), train_dataset=TokenDataset(),
+                          callbacks=list(callbacks))
+
+
+def named_params(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def grad_norms(trainer) -> list:
+    """The grad norms Trainer logged."""
+    return [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+
+
+def copy_of_bert(model):
+    """A fresh :func:`tiny_bert` holding ``model``'s values."""
+    fresh = tiny_bert()
+    fresh.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+    return fresh
+
+
 def trainer_style_adamw(model, args) -> torch.optim.AdamW:
     """The reference: Trainer's default optimizer (``adamw_torch_fused``: torch AdamW, fused
     kernel) with Trainer's decay groups over *all* params (frozen too)."""

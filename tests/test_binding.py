@@ -28,6 +28,10 @@ from transformers import TrainerCallback
 import hf_zero
 from tests._dist import run_ranks
 from tests.models import BATCH, MLP
+from tests.hf_trainer_cases import copy_of_bert as _copy_of_bert
+from tests.hf_trainer_cases import grad_norms as _norms
+from tests.hf_trainer_cases import named_params as _params
+from tests.hf_trainer_cases import small_trainer as _trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -308,28 +312,6 @@ def test_after_the_binding_the_model_trains_as_a_fresh_copy_does(after_binding, 
 
 
 # -- 2 gloo ranks, Trainer ------------------------------------------------------------------------
-def _trainer(model, output_dir, optim, optim_args=None, callbacks=(), **overrides):
-    from transformers import TrainingArguments
-
-    from tests.hf_trainer_cases import IN_ORDER, InOrderTrainer, TokenDataset
-
-    args = dict(output_dir=output_dir, optim=optim, optim_args=optim_args, per_device_train_batch_size=4,
-                max_steps=3, learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, logging_steps=1,
-                save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                average_tokens_across_devices=False, **IN_ORDER)
-    args.update(overrides)
-    return InOrderTrainer(model=model, args=TrainingArguments(**args), train_dataset=TokenDataset(),
-                          callbacks=list(callbacks))
-
-
-def _params(model) -> dict:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _norms(trainer) -> list:
-    return [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
-
-
 SECOND = {"adamw_torch": ("adamw_torch", None), "stage1": ("zero_bucket", None),
           "stage2": ("zero_bucket", "stage=2")}
 
@@ -373,14 +355,6 @@ def _trainer_cases(rank, world_size, base):
         runs.append(_params(model))
     out["copy"] = (copier.equal, runs)
     return out
-
-
-def _copy_of_bert(model):
-    from tests.hf_trainer_cases import tiny_bert
-
-    fresh = tiny_bert()
-    fresh.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
-    return fresh
 
 
 class _CopyAtStep(TrainerCallback):

@@ -27,6 +27,10 @@ import torch.nn as nn
 import hf_zero
 from tests._dist import run_ranks
 from tests.models import BATCH, MLP, assert_params_equal
+from tests.hf_trainer_cases import copy_of_bert as _copy_of_bert
+from tests.hf_trainer_cases import grad_norms as _norms
+from tests.hf_trainer_cases import named_params as _params
+from tests.hf_trainer_cases import small_trainer as _trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -294,20 +298,6 @@ def test_torch_adamw_under_another_accelerator_after_an_interrupted_stage2_loop_
 
 
 # -- Trainer: an interrupted train(), then another Trainer on the model; saves and what stays held -----
-def _trainer(model, output_dir, optim, optim_args=None, callbacks=(), **overrides):
-    from transformers import TrainingArguments
-
-    from tests.hf_trainer_cases import IN_ORDER, InOrderTrainer, TokenDataset
-
-    args = dict(output_dir=output_dir, optim=optim, optim_args=optim_args, per_device_train_batch_size=4,
-                max_steps=3, learning_rate=1e-2, weight_decay=0.1, max_grad_norm=0.5, logging_steps=1,
-                save_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True,
-                average_tokens_across_devices=False, **IN_ORDER)
-    args.update(overrides)
-    return InOrderTrainer(model=model, args=TrainingArguments(**args), train_dataset=TokenDataset(),
-                          callbacks=list(callbacks))
-
-
 class _Interrupt:
     """A callback raising ``KeyboardInterrupt`` at the end of step ``step`` (as Ctrl-C in a notebook)."""
 
@@ -320,22 +310,6 @@ class _Interrupt:
                     raise KeyboardInterrupt
 
         return Interrupt()
-
-
-def _params(model) -> dict:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _norms(trainer) -> list:
-    return [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
-
-
-def _copy_of_bert(model):
-    from tests.hf_trainer_cases import tiny_bert
-
-    fresh = tiny_bert()
-    fresh.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
-    return fresh
 
 
 def _hooks(model) -> list:
