@@ -456,3 +456,15 @@ def holds_grad(p) -> bool:
 def holds_no_grads(params) -> bool:
     """Stage 2 after a syncing backward: no ``p.grad`` holds gradient memory."""
     return not any(holds_grad(p) for p in params)
+
+
+def flat_tensors(x) -> list:
+    """The tensors in ``x`` (nested lists, tuples and dicts, dicts by sorted key), numbers as 0-dim tensors."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for k in sorted(x) for t in flat_tensors(x[k])]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in flat_tensors(y)]
+    return [torch.tensor(x)]
+

@@ -20,6 +20,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests._dist import run_ranks
+from tests.models import flat_tensors
 
 STEPS = 3
 LR = dict(lr=0.05, weight_decay=0.1)
@@ -194,16 +195,6 @@ def _run(rank, world_size, names):
 _RESULTS: dict = {}
 
 
-def _flat(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [t for k in sorted(x) for t in _flat(x[k])]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _flat(y)]
-    return [torch.tensor(x)]
-
-
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_a_backward_writing_no_grad_runs_no_collective_and_training_equals_ddp(name):
@@ -212,7 +203,7 @@ def test_a_backward_writing_no_grad_runs_no_collective_and_training_equals_ddp(n
     for rank, per_rank in _RESULTS.items():
         got = per_rank[name]
         assert not isinstance(got, str), f"rank {rank}: {got}"
-        want, have = (_flat(x) for x in got)
+        want, have = (flat_tensors(x) for x in got)
         assert len(want) == len(have) > 0
         for i, (a, b) in enumerate(zip(want, have)):
             torch.testing.assert_close(b, a, rtol=1e-13, atol=1e-15, msg=lambda m: f"rank {rank}, tensor {i}: {m}")
@@ -228,7 +219,7 @@ def test_at_one_rank_autograd_grad_of_the_params_and_torch_func_work(name):
     """At world size 1 (no collective at all), against torch AdamW on the module alone."""
     have = run_ranks(_one_rank, 1, name, timeout=40)[0]
     want = run_ranks(_reference_one_rank, 1, name, timeout=40)[0]
-    for i, (a, b) in enumerate(zip(_flat(want), _flat(have))):
+    for i, (a, b) in enumerate(zip(flat_tensors(want), flat_tensors(have))):
         torch.testing.assert_close(b, a, rtol=1e-13, atol=1e-15, msg=lambda m: f"tensor {i}: {m}")
 
 

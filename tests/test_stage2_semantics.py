@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests._dist import run_ranks
+from tests.models import flat_tensors
 
 STEPS = 3
 LR = dict(lr=0.05, weight_decay=0.1)
@@ -289,21 +290,13 @@ def _results():
     return _RESULTS
 
 
-def _flat(x):
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _flat(y)]
-    return [torch.tensor(x)]
-
-
 @pytest.mark.timeout(260)
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_stage2_equals_ddp_with_torch_adamw(name):
     for rank, per_rank in _results().items():
         got = per_rank[name]
         assert not isinstance(got, str), f"rank {rank}: {got}"
-        want, have = (_flat(x) for x in got)
+        want, have = (flat_tensors(x) for x in got)
         assert len(want) == len(have)
         for i, (a, b) in enumerate(zip(want, have)):
             # DDP reduces what p.grad accumulated over several syncing backwards (the sum), stage 2 adds
@@ -324,7 +317,7 @@ def test_a_grad_mode_forward_on_rank_0_alone_runs_no_collective_and_changes_noth
     on rank 0 alone that changes buffers the training forwards read differs from DDP: DDP sends
     rank 0's change at the next training forward, stage 2 at the end of the next syncing backward.)"""
     for rank, (want, have) in enumerate(run_ranks(_side_forward, 2, timeout=60)):
-        for i, (a, b) in enumerate(zip(_flat(want), _flat(have))):
+        for i, (a, b) in enumerate(zip(flat_tensors(want), flat_tensors(have))):
             torch.testing.assert_close(b, a, rtol=1e-13, atol=1e-15, msg=lambda m: f"rank {rank}, tensor {i}: {m}")
 
 
