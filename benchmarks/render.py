@@ -57,9 +57,10 @@ def machine(res: dict) -> str:
             f"torch {env['torch']}, transformers {env['transformers']}; commit `{env['git']}`")
 
 
-def spread(stats: dict) -> str:
-    """median [min, max] of paired ratios."""
-    return f"{stats['ratio_median']:.3f} [{stats['ratio_min']:.3f}, {stats['ratio_max']:.3f}]"
+def spread(stats: dict, prefix: str = "") -> str:
+    """median [min, max] of paired ratios (``prefix``: of another measure, e.g. ``cpu_``)."""
+    return (f"{stats[prefix + 'ratio_median']:.3f} [{stats[prefix + 'ratio_min']:.3f}, "
+            f"{stats[prefix + 'ratio_max']:.3f}]")
 
 
 def peak_mib(res: dict, row: str) -> str:
@@ -158,16 +159,23 @@ def host_time() -> list[str]:
         "ms, and the ratio to DDP + fused AdamW in the same round, median [min, max]. Where the time goes: "
         "[The hot path](hot_path.md).",
         "",
-        "| model | " + " | ".join(_HOST_NAMES.values()) + " |",
-        "|---|" + "---|" * len(_HOST_NAMES),
     ]
-    for shape, t in shapes.items():
-        cells = [f"{t['rows'][n]['ms_median']:.2f} ms" + ("" if n == "ddp" else f", {spread(t['rows'][n])}")
-                 for n in _HOST_NAMES]
-        out.append(f"| {_tensors(shape)} | " + " | ".join(cells) + " |")
+    measures = [("", "Wall time per iteration (the slower rank)")]
+    if all("cpu_ms_median" in r for t in shapes.values() for r in t["rows"].values()):
+        measures.append(("cpu_", "Host CPU time per iteration: the main thread's own (`time.thread_time`), without "
+                         "the waits for the other rank and gloo's threads. On a GPU this is the host's work a step "
+                         "cannot hide behind its kernels"))
+    for prefix, title in measures:
+        out += [f"{title}:", "", "| model | " + " | ".join(_HOST_NAMES.values()) + " |",
+                "|---|" + "---|" * len(_HOST_NAMES)]
+        for shape, t in shapes.items():
+            cells = [f"{t['rows'][n][prefix + 'ms_median']:.2f} ms"
+                     + ("" if n == "ddp" else f", {spread(t['rows'][n], prefix)}") for n in _HOST_NAMES]
+            out.append(f"| {_tensors(shape)} | " + " | ".join(cells) + " |")
+        out.append("")
     targets = "; ".join(f"{_HOST_NAMES[n]} {', '.join(f'{r:.2f}x at {_tensors(s)}' for s, r in t.items())}"
                         for n, t in res["targets"].items())
-    out += ["", f"Targets: {targets}.", ""]
+    out += [f"Targets: {targets}.", ""]
     counts = res["counts"]
     out += [f"Per steady step (steps {cfg['steady_steps'][0]}-{cfg['steady_steps'][-1]}, {_tensors(cfg['shapes'][0])}): "
             "host reads of a tensor value (`.item()`, `bool()`, `int()`, `float()`, `.tolist()`, `.numpy()`) and "

@@ -110,8 +110,8 @@ class Master:
             return
         if scratch is None:
             scratch = torch.empty(grad.numel(), dtype=torch.float32, device=self.tensor.device)
-        scratch.view(grad.shape).copy_(grad)
-        self.tensor.grad = scratch.view(self.tensor.shape)
+        scratch.view_as(grad).copy_(grad)
+        self.tensor.grad = scratch.view_as(self.tensor)
 
     def write_back(self) -> None:
         """Round the stepped master into the 16-bit piece."""

@@ -90,6 +90,7 @@ class Partition:
         self.pieces = pieces
         self.inner = inner
         self._grad_scratch: dict[torch.device, torch.Tensor] = {}  # masters' fp32 grads, reused each step
+        self._chunks: dict[tuple, tuple] = {}  # _step_chunks' answers, with the pieces they were made of
 
     @classmethod
     def build(cls, table: ParamTable, layout: Layout, held: Holdings, *, rank: int, optimizer_class: type,
@@ -367,6 +368,13 @@ class Partition:
         at a time is the same update with one chunk of fp32 grads alive. ``by_buffer``: a
         chunk never spans two buffers. Any other optimizer (which may count its ``step``
         calls) is stepped once."""
+        key = (bool(kwargs), by_buffer, type(self.inner))
+        pieces, chunks = self._chunks.get(key, (None, None))
+        if pieces is not self.pieces:
+            pieces, chunks = self._chunks[key] = (self.pieces, self._plan_chunks(kwargs, by_buffer=by_buffer))
+        return chunks
+
+    def _plan_chunks(self, kwargs: dict, *, by_buffer: bool) -> list[tuple[LocalPiece, ...]]:
         masters = any(lp.master is not None for lp in self.pieces)
         if kwargs or not (masters or by_buffer) or not type(self.inner).__module__.startswith("torch.optim."):
             return [self.pieces]
@@ -437,7 +445,7 @@ def _chunk_elements(device: torch.device) -> int:
 
 
 def _shaped(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    return None if grad is None else grad.view(like.shape)
+    return None if grad is None else grad.view_as(like)  # view_as: view(torch.Size) parses its argument slowly
 
 
 def _placed(state: dict, tensor: torch.Tensor) -> dict:

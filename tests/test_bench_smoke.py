@@ -63,6 +63,9 @@ def test_hostpath_smoke_run(tmp_path):
     assert set(rows) == set(hostpath.CONTENDERS)
     for name, r in rows.items():
         assert len(r["ms_rounds"]) == res["config"]["rounds"] and all(0 < ms < 10_000 for ms in r["ms_rounds"]), name
+        # the main thread's CPU time: some of the wall time, never more (a little slack for the clocks' grain)
+        assert all(0 < cpu <= ms * 1.05 + 0.1 for cpu, ms in zip(r["cpu_ms_rounds"], r["ms_rounds"])), name
+    assert rows["ddp"]["cpu_ratio_median"] == 1.0
     assert rows["ddp"]["ratio_median"] == 1.0
     assert {n: c["reads"] for n, c in res["counts"].items()} == dict.fromkeys(hostpath.CONTENDERS, 0)
     assert res["counts"]["stage1"]["collectives"] >= 5 and res["counts"]["stage2"]["collectives"] >= 5
@@ -75,3 +78,4 @@ def test_hostpath_smoke_run(tmp_path):
     finally:
         render.load = original
     assert "| 48 tensors, H=64 |" in text and "host reads | 0 | 0 | 0 |" in text
+    assert "Host CPU time per iteration" in text

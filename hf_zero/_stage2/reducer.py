@@ -301,17 +301,18 @@ class Reducer:
         if where is None:  # no elements: in no bucket
             p.grad = None
             return
-        if where[0] < self._next:
+        b = where[0]
+        if b < self._next:
             raise RuntimeError(
                 f"hf_zero stage 2: a gradient for {self._table().label(i)} arrived after its bucket was reduced "
                 "in this backward (a param used in several reentrant checkpoint regions, or reached by a nested "
                 "backward hf_zero did not foresee); use checkpoint(..., use_reentrant=False)"
             )
-        self._put_grad(i, p)
+        self._put_grad(i, p, where)
         if i in self._pending:
             self._pending.discard(i)
-            self._left[where[0]] -= 1
-            if where[0] == self._next and not self._left[where[0]]:  # the next bucket is complete
+            self._left[b] -= 1
+            if b == self._next and not self._left[b]:  # the next bucket is complete
                 self._launch_ready()
 
     def _begin(self, root) -> None:
@@ -356,8 +357,8 @@ class Reducer:
             self._regions_cache = (key, reentrant_region_below(root))
         return self._regions_cache[1]
 
-    def _put_grad(self, i: int, p: torch.Tensor) -> None:
-        b, offset, numel = self._plan.where[i]
+    def _put_grad(self, i: int, p: torch.Tensor, where: tuple[int, int, int] | None = None) -> None:
+        b, offset, numel = where or self._plan.where[i]
         g, held = p.grad, self._filling.get(b)
         if held is None:
             spec = self._plan.layout.buffers[b]

@@ -101,15 +101,16 @@ class StandIns:
 
     def place(self, params, indices, label) -> None:
         """Put the stand-ins of these params (whose ``p.grad`` is None) in ``p.grad``; ``label(i)``: param i's name."""
+        kept, standing = self._kept, self._standing
         for i in indices:
-            p, (s, plain) = params[i], self._kept.get(i, (None, None))
+            p, (s, plain) = params[i], kept.get(i, (None, None))
             if s is None or plain.shape != p.shape or plain.dtype != p.dtype or plain.device != p.device or version_of(plain):
                 plain = torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
                 s = plain.as_subclass(StandIn)  # shares plain's version counter, read without __torch_function__
                 s.label = label(i)
-                self._kept[i] = (s, plain)
+                kept[i] = (s, plain)
             p.grad = s
-            self._standing[i] = (p, s, plain, version_of(plain))
+            standing[i] = (p, s, plain, 0)  # untouched: its version is 0
 
     def settle(self, table, *, clear: bool) -> list[tuple[int, bool]]:
         """What was done to the stand-ins since they were placed: (param index, zeroed rather than
