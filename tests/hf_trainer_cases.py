@@ -202,6 +202,19 @@ def copy_of_bert(model):
     return fresh
 
 
+def train_with_fresh_copy(model, output_dir, optim, optim_args=None) -> tuple[list, dict]:
+    """A second :func:`small_trainer` run on ``model`` and on a never-bound :func:`copy_of_bert` of it: the
+    (params, logged grad norms) of each, and the copy's params before it trained."""
+    fresh = copy_of_bert(model)
+    before = named_params(fresh)
+    runs = []
+    for m in (model, fresh):
+        trainer = small_trainer(m, output_dir, optim, optim_args)
+        trainer.train()
+        runs.append((named_params(m), grad_norms(trainer)))
+    return runs, before
+
+
 def trainer_style_adamw(model, args) -> torch.optim.AdamW:
     """The reference: Trainer's default optimizer (``adamw_torch_fused``: torch AdamW, fused
     kernel) with Trainer's decay groups over *all* params (frozen too)."""

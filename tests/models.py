@@ -468,3 +468,17 @@ def flat_tensors(x) -> list:
         return [t for y in x for t in flat_tensors(y)]
     return [torch.tensor(x)]
 
+
+def rank_batch(step: int, rank: int, *shape) -> torch.Tensor:
+    """A float64 batch of ``shape`` drawn for ``step`` on ``rank`` (the same on every run)."""
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def tanh_mlp(seed: int, dims=(5, 6, 1)) -> nn.Module:
+    """A float64 ``Linear`` stack of widths ``dims`` with ``Tanh`` between, initialised from ``seed``."""
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1]).double()

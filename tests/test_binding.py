@@ -32,6 +32,7 @@ from tests.hf_trainer_cases import copy_of_bert as _copy_of_bert
 from tests.hf_trainer_cases import grad_norms as _norms
 from tests.hf_trainer_cases import named_params as _params
 from tests.hf_trainer_cases import small_trainer as _trainer
+from tests.hf_trainer_cases import train_with_fresh_copy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -332,13 +333,7 @@ def _trainer_cases(rank, world_size, base):
             if not first_alive:
                 del first
                 gc.collect()
-            fresh = _copy_of_bert(model)
-            runs = []
-            for m in (model, fresh):
-                trainer = _trainer(m, f"{base}/second", optim, optim_args)
-                trainer.train()
-                runs.append((_params(m), _norms(trainer)))
-            out[(second, first_alive)] = runs
+            out[(second, first_alive)], _ = train_with_fresh_copy(model, f"{base}/second", optim, optim_args)
     # train() twice, stage 2 and Trainer's own optimizer
     for optim, optim_args in (("zero_bucket", "stage=2"), ("adamw_torch_fused", None)):
         model = tiny_bert()

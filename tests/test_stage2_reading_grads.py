@@ -16,19 +16,11 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests._dist import run_ranks
+from tests.models import rank_batch as _data
+from tests.models import tanh_mlp
 
 STEPS = 3
 LR = dict(lr=0.05, weight_decay=0.1)
-
-
-def _data(step: int, rank: int, *shape):
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(*shape, generator=g, dtype=torch.float64)
-
-
-def _mlp(seed: int = 7) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 1)).double()
 
 
 def _wrap(module: nn.Module, mode: str):
@@ -60,7 +52,7 @@ def _sanitise(rank, mode: str, idiom: str):
     """Each step: a NaN in one grad element, set to 0 by the idiom (on p.grad under DDP; on the
     optimizer's local_grad(p) under hf_zero), then the step. Also returns what each idiom said when
     applied to the p.grad stand-ins (the refusal)."""
-    model = _mlp()
+    model = tanh_mlp(7, (5, 6, 4, 1))
     m, opt = _wrap(model, mode)
     refusals = []
     for step in range(STEPS):
@@ -99,7 +91,7 @@ def _read(rank, mode: str):
     """Per-layer grad norms and the full grads, read between backward and step (full_grad under hf_zero,
     p.grad under DDP); the sum of squares over every rank's local_grad (all-reduced). Six steps: stage 1
     reduce-scatters from the third backward on (once its layout follows DDP's rebuilt buckets)."""
-    model = _mlp(8)
+    model = tanh_mlp(8, (5, 6, 4, 1))
     m, opt = _wrap(model, mode)
     norms, fulls, local_sq, partial, after_step = [], [], [], [], []
     for step in range(6):
@@ -162,7 +154,7 @@ def _adalora(rank, mode: str):
 def _post_accumulate_hooks(rank, mode: str):
     """A user's post-accumulate-grad hooks, one registered before the optimizer binds the model and one
     after, each recording the grad it sees (this rank's own under DDP)."""
-    model = _mlp(9)
+    model = tanh_mlp(9, (5, 6, 4, 1))
     seen = []
 
     def record(p):
@@ -251,7 +243,7 @@ def test_a_users_post_accumulate_grad_hook_sees_this_ranks_grad_as_under_ddp():
 
 def _writes(rank, world_size):
     """Each write into a stand-in, its refusal; zero_() and module.zero_grad(set_to_none=False) still zero."""
-    model = _mlp(12)
+    model = tanh_mlp(12, (5, 6, 4, 1))
     from hf_zero import ZeroBucketOptimizer
 
     opt = ZeroBucketOptimizer(list(model.parameters()), torch.optim.AdamW, stage=2, **LR)

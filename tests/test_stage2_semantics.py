@@ -21,14 +21,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests._dist import run_ranks
 from tests.models import flat_tensors
+from tests.models import rank_batch as _data
+from tests.models import tanh_mlp as _mlp
 
 STEPS = 3
 LR = dict(lr=0.05, weight_decay=0.1)
-
-
-def _data(step: int, rank: int, *shape):
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(*shape, generator=g, dtype=torch.float64)
 
 
 def _zero(params, **kwargs):
@@ -36,14 +33,6 @@ def _zero(params, **kwargs):
 
     return ZeroBucketOptimizer(list(params), torch.optim.AdamW, stage=2, parameters_as_bucket_view=False,
                                **{**LR, **kwargs})
-
-
-def _mlp(seed: int, dims=(5, 6, 1)) -> nn.Module:
-    torch.manual_seed(seed)
-    layers = []
-    for a, b in zip(dims, dims[1:]):
-        layers += [nn.Linear(a, b), nn.Tanh()]
-    return nn.Sequential(*layers[:-1]).double()
 
 
 def _wrap(module: nn.Module, stage2: bool, opt_params=None, **bind):

@@ -28,9 +28,8 @@ import hf_zero
 from tests._dist import run_ranks
 from tests.models import BATCH, MLP, assert_params_equal
 from tests.hf_trainer_cases import copy_of_bert as _copy_of_bert
-from tests.hf_trainer_cases import grad_norms as _norms
-from tests.hf_trainer_cases import named_params as _params
 from tests.hf_trainer_cases import small_trainer as _trainer
+from tests.hf_trainer_cases import train_with_fresh_copy
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -364,13 +363,7 @@ def _trainer_cases(rank, world_size, base):
         except KeyboardInterrupt:
             raised = True
         unbound = _hooks(model) == _hooks(tiny_bert())
-        fresh = _copy_of_bert(model)
-        before = _params(fresh)
-        runs = []
-        for m in (model, fresh):
-            trainer = _trainer(m, f"{base}/second", optim, optim_args)
-            trainer.train()
-            runs.append((_params(m), _norms(trainer)))
+        runs, before = train_with_fresh_copy(model, f"{base}/second", optim, optim_args)
         out[("interrupted", second)] = (raised, unbound, runs, before)
         del interrupted
     # a run with a save: then every saver takes the params, and once deleted nothing holds their storage
