@@ -38,6 +38,13 @@ def environment(command: str, **extra) -> dict:
             **extra}
 
 
+def drain_sync(opt) -> None:
+    """Wait for an overlapped parameter sync still in flight (hf_zero's optimizers; others have none)."""
+    wait = getattr(opt, "wait_param_sync", None)
+    if wait is not None:
+        wait()
+
+
 def replace_section(doc: Path, begin: str, end: str, md: str) -> None:
     """Replace the text between the ``begin`` and ``end`` lines of ``doc`` with ``md``
     (the markers are appended when absent, the file created when missing)."""

@@ -123,7 +123,7 @@ def build(name: str, template, device, cfg):
         opt.step()
         opt.zero_grad()
 
-    return (model, opt), iteration, lambda: e2e.drain_sync(opt)
+    return (model, opt), iteration, lambda: _common.drain_sync(opt)
 
 
 def measure(name: str, template, batches, device, cfg) -> dict:

@@ -40,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks import _common  # noqa: E402
-from benchmarks._common import CollectiveCounter  # noqa: E402
+from benchmarks._common import CollectiveCounter, drain_sync  # noqa: E402
 from tests._dist import run_ranks  # noqa: E402
 
 CONTENDERS = ("ddp", "stage1", "stage2")
@@ -171,12 +171,6 @@ def iteration(built, data, k: int, opts: Options) -> None:
     opt.zero_grad()
 
 
-def drain(opt) -> None:
-    wait = getattr(opt, "wait_param_sync", None)
-    if wait is not None:
-        wait()
-
-
 def counted_rank(rank: int, world_size: int, cases: dict) -> dict:
     """For each case (name -> (contender, shape, Options)): per steady step (:data:`STEADY`) the host reads, with
     where each came from, and the collectives; and the params after the last step."""
@@ -199,7 +193,7 @@ def counted_rank(rank: int, world_size: int, cases: dict) -> dict:
                 else:
                     iteration(built, data, k, opts)
             opt = getattr(opt, "optimizer", opt)  # Accelerate's wrapper
-            drain(opt)
+            drain_sync(opt)
             module = getattr(net, "module", net)
             layout = getattr(getattr(opt, "gradient_path", None), "layout", None)
             out[case] = {"steps": per_step, "params": [p.detach().clone() for p in module.parameters()],
@@ -239,7 +233,7 @@ def timed_rank(rank: int, world_size: int, cfg: dict) -> dict:
                     iteration(built[name], data, k, opts)
                     times.append((time.perf_counter() - start) * 1e3)
                     cpu.append((time.thread_time() - start_cpu) * 1e3)
-                drain(opt)
+                drain_sync(opt)
                 # the median iteration: another process taking the core for a while moves a mean, not it
                 rounds[name].append(statistics.median(times))
                 cpu_rounds[name].append(statistics.median(cpu))
@@ -251,7 +245,7 @@ def timed_rank(rank: int, world_size: int, cfg: dict) -> dict:
                 prof.enable()
                 for k in range(cfg["iterations"]):
                     iteration(built[name], data, k, opts)
-                drain(opt)
+                drain_sync(opt)
                 prof.disable()
                 profiles[name] = _top(prof, cfg["iterations"]) if rank == 0 else []
         out[shape] = {"ms": rounds, "cpu_ms": cpu_rounds, "profiles": profiles}
