@@ -368,7 +368,7 @@ class Partition:
         at a time is the same update with one chunk of fp32 grads alive. ``by_buffer``: a
         chunk never spans two buffers. Any other optimizer (which may count its ``step``
         calls) is stepped once."""
-        key = (bool(kwargs), by_buffer, type(self.inner))
+        key = (bool(kwargs), by_buffer)
         pieces, chunks = self._chunks.get(key, (None, None))
         if pieces is not self.pieces:
             pieces, chunks = self._chunks[key] = (self.pieces, self._plan_chunks(kwargs, by_buffer=by_buffer))
