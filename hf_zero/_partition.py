@@ -39,7 +39,7 @@ import torch
 from torch.profiler import record_function
 
 from ._comm import Comm
-from ._engine import profiler_enabled
+from ._engine import profiler_enabled, unhooked_step
 from ._layout import Layout, Piece
 from ._ledger import state_bytes
 from ._masters import MASTER_KEY, Master, aliases_watched, needs_master, split_saved, written_through_aliases
@@ -321,7 +321,7 @@ class Partition:
                         else:  # a float32 stage-2 shard of a 16-bit param stepped without a master: rounded once
                             lp.tensor.grad = g if g is None or g.dtype == lp.tensor.dtype else g.to(lp.tensor.dtype)
                 with _labelled("step"):
-                    out = self.inner.step(**kwargs)
+                    out = unhooked_step(self.inner)(**kwargs)
                 loss = out if loss is None else loss
                 with _labelled("round"):
                     for lp in chunk:

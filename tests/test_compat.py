@@ -213,6 +213,38 @@ def test_unversioned_shims_find_what_they_rely_on(tmp_path):
     assert _compat.creating_trainer() is None
 
 
+def test_an_unhooked_step_is_the_step_without_torchs_wrapper():
+    """hf_zero/_engine.py's unhooked_step: torch wraps each Optimizer subclass's ``step`` (``hooked``,
+    ``__wrapped__``) in the hooks and the profiler label; unwrapped, the same update runs and no step hook fires."""
+    from hf_zero._engine import unhooked_step
+
+    params = [torch.nn.Parameter(torch.arange(4.0)) for _ in range(2)]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p in params + copies:
+        p.grad = torch.full((4,), 0.5)
+    hooked, unhooked = torch.optim.AdamW(params, lr=0.1), torch.optim.AdamW(copies, lr=0.1)
+    # the first instance of a class wraps its step
+    assert getattr(torch.optim.AdamW.step, "hooked", False) and callable(torch.optim.AdamW.step.__wrapped__)
+    fired = []
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: fired.append(opt))
+    try:
+        hooked.step()
+        unhooked_step(unhooked)()
+    finally:
+        handle.remove()
+    assert fired == [hooked]
+    assert all(torch.equal(a, b) for a, b in zip(params, copies))
+    assert all(torch.equal(hooked.state[a]["exp_avg"], unhooked.state[b]["exp_avg"]) for a, b in zip(params, copies))
+
+    class NotTorch:  # no wrapper: its own step
+        def step(self):
+            return "stepped"
+
+    assert unhooked_step(NotTorch())() == "stepped"
+
+
 def test_version_gates_agree_with_what_is_installed():
     has_table = importlib.util.find_spec("transformers.trainer_optimizer") is not None
     assert has_table == TABLE, f"transformers {transformers.__version__}: trainer_optimizer present={has_table}"

@@ -104,12 +104,19 @@ class StandIns:
         kept, standing = self._kept, self._standing
         for i in indices:
             p, (s, plain) = params[i], kept.get(i, (None, None))
-            if s is None or plain.shape != p.shape or plain.dtype != p.dtype or plain.device != p.device or version_of(plain):
+            if s is not None and not version_of(plain):
+                try:
+                    p.grad = s  # refused where the param's shape, dtype or device is no longer the stand-in's
+                except RuntimeError:
+                    s = None
+            else:
+                s = None
+            if s is None:
                 plain = torch.full((), float("nan"), dtype=p.dtype, device=p.device).expand(p.shape)
                 s = plain.as_subclass(StandIn)  # shares plain's version counter, read without __torch_function__
                 s.label = label(i)
                 kept[i] = (s, plain)
-            p.grad = s
+                p.grad = s
             standing[i] = (p, s, plain, 0)  # untouched: its version is 0
 
     def settle(self, table, *, clear: bool) -> list[tuple[int, bool]]:
