@@ -148,7 +148,7 @@ class Comm:
         """Where small control tensors live for this backend."""
         if self.backend == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return _CPU
 
     # -- parameter sync ---------------------------------------------------------
     def sync_buffer(self, buffer: torch.Tensor, bounds: Sequence[int], *, async_op: bool = False):
@@ -545,6 +545,7 @@ def _host_slot(comm: Comm, slot: int):
     return comm._agreement_slots[slot]
 
 
+_CPU = torch.device("cpu")
 _COALESCED_BYTES = 250 * 1024 * 1024  # DDP's broadcast_bucket_size
 # Point-to-point tags, one per purpose: gloo matches messages by (peer, tag), in order.
 _TAG_GRADS = 0x68660001
