@@ -121,8 +121,7 @@ def _probe(model, started, record):
 
 
 def _train(rank, world_size, *, kind="mha", overlap: bool, seam: bool, units=("Block",), peek=False, probe=False):
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
+    import hf_zero._partition as partition_module
     from hf_zero import ZeroBucketOptimizer
 
     model = SeamLM(kind)
@@ -142,8 +141,18 @@ def _train(rank, world_size, *, kind="mha", overlap: bool, seam: bool, units=("B
         return real_sync(*args, **kwargs)
 
     comm.sync_buffer = sync_buffer
-    hook = register_optimizer_step_pre_hook(
-        lambda o, args, kwargs: events.append("step") if o is not opt else None)
+    real_unhooked = partition_module.unhooked_step  # how a partition steps its local optimizer, chunk by chunk
+
+    def recorded_step(optimizer):
+        step = real_unhooked(optimizer)
+
+        def record_chunk(**kwargs):
+            events.append("step")
+            return step(**kwargs)
+
+        return record_chunk
+
+    partition_module.unhooked_step = recorded_step
     stale = []
     for step in range(STEPS):
         record.append(("step", step, 0))
@@ -156,7 +165,7 @@ def _train(rank, world_size, *, kind="mha", overlap: bool, seam: bool, units=("B
             opt.wait_param_sync()
             stale.append(not torch.equal(before, model.blocks[0].attn.out_proj.weight))
     opt.wait_param_sync()
-    hook.remove()
+    partition_module.unhooked_step = real_unhooked
     return {
         "events": events,
         "params": [p.detach().clone() for p in model.parameters()],
