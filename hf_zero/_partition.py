@@ -309,7 +309,10 @@ class Partition:
                 with _labelled("grads"):
                     scratch, used = self._scratch_for(chunk), {}
                     for lp in chunk:
-                        g = lp.param.grad if grad_of is None else _shaped(grad_of(lp.piece), lp.view)
+                        if grad_of is None:
+                            g = lp.param.grad
+                        else:  # a 1-D slice of a shard: as a flat piece is
+                            g = grad_of(lp.piece) if flat else _shaped(grad_of(lp.piece), lp.view)
                         if g is not None and flat and grad_of is None:
                             g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
                         if lp.master is not None:
