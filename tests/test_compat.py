@@ -216,6 +216,8 @@ def test_unversioned_shims_find_what_they_rely_on(tmp_path):
 def test_an_unhooked_step_is_the_step_without_torchs_wrapper():
     """hf_zero/_engine.py's unhooked_step: torch wraps each Optimizer subclass's ``step`` (``hooked``,
     ``__wrapped__``) in the hooks and the profiler label; unwrapped, the same update runs and no step hook fires."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
     from hf_zero._engine import unhooked_step
 
     params = [torch.nn.Parameter(torch.arange(4.0)) for _ in range(2)]
@@ -226,8 +228,6 @@ def test_an_unhooked_step_is_the_step_without_torchs_wrapper():
     # the first instance of a class wraps its step
     assert getattr(torch.optim.AdamW.step, "hooked", False) and callable(torch.optim.AdamW.step.__wrapped__)
     fired = []
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
     handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: fired.append(opt))
     try:
         hooked.step()
