@@ -303,6 +303,7 @@ class Partition:
                 done += 1
                 buffer_done(done - 1)
 
+        step_inner = unhooked_step(self.inner)
         try:
             chunks = self._step_chunks(kwargs, by_buffer=buffer_done is not None)
             for i, chunk in enumerate(chunks):
@@ -311,10 +312,12 @@ class Partition:
                     for lp in chunk:
                         if grad_of is None:
                             g = lp.param.grad
-                        else:  # a 1-D slice of a shard: as a flat piece is
-                            g = grad_of(lp.piece) if flat else _shaped(grad_of(lp.piece), lp.view)
-                        if g is not None and flat and grad_of is None:
-                            g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
+                            if g is not None and flat:
+                                g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
+                        else:  # a 1-D slice of a shard, as a flat piece is; a param-mode piece has its param's shape
+                            g = grad_of(lp.piece)
+                            if g is not None and not flat:
+                                g = g.view_as(lp.view)  # view_as: view(torch.Size) parses its argument slowly
                         if lp.master is not None:
                             # upcast into the chunk's slice of the reused fp32 scratch
                             d, n = lp.tensor.device, lp.tensor.numel()
@@ -324,7 +327,7 @@ class Partition:
                         else:  # a float32 stage-2 shard of a 16-bit param stepped without a master: rounded once
                             lp.tensor.grad = g if g is None or g.dtype == lp.tensor.dtype else g.to(lp.tensor.dtype)
                 with _labelled("step"):
-                    out = unhooked_step(self.inner)(**kwargs)
+                    out = step_inner(**kwargs)
                 loss = out if loss is None else loss
                 with _labelled("round"):
                     for lp in chunk:
@@ -445,10 +448,6 @@ def _chunk_elements(device: torch.device) -> int:
     on an accelerator 8M elements (a kernel launch per part per chunk; a piece is a whole param
     there, a chunk at least one piece)."""
     return _CPU_GRAD_CHUNK_ELEMENTS if device.type == "cpu" else _GRAD_CHUNK_ELEMENTS
-
-
-def _shaped(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    return None if grad is None else grad.view_as(like)  # view_as: view(torch.Size) parses its argument slowly
 
 
 def _placed(state: dict, tensor: torch.Tensor) -> dict:

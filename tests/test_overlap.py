@@ -141,7 +141,7 @@ def _train(rank, world_size, *, kind="mha", overlap: bool, seam: bool, units=("B
         return real_sync(*args, **kwargs)
 
     comm.sync_buffer = sync_buffer
-    real_unhooked = partition_module.unhooked_step  # how a partition steps its local optimizer, chunk by chunk
+    real_unhooked = partition_module.unhooked_step  # how a partition gets its local optimizer's step, called per chunk
 
     def recorded_step(optimizer):
         step = real_unhooked(optimizer)
