@@ -68,6 +68,7 @@ class LocalPiece:
     param: torch.Tensor
     piece: Piece
     master: Master | None = None  # its ``tensor`` is ``tensor``
+    whole: bool = False  # flat shard: the piece is all of its param
 
 
 def hyperparams(group: Mapping) -> dict:
@@ -137,7 +138,9 @@ class Partition:
                           if h.start == pc.start and h.stop == pc.stop), {})
             state, saved = split_saved(state)  # a master without a 16-bit param to step is dropped
             master = Master(t, saved, p) if needs_master(masters, p) else None
-            lp = LocalPiece(t, t, p, pc) if master is None else LocalPiece(master.tensor, t, p, pc, master)
+            whole = layout.shard == "flat" and pc.start == 0 and pc.stop == p.numel()
+            lp = LocalPiece(t, t, p, pc, whole=whole) if master is None else \
+                LocalPiece(master.tensor, t, p, pc, master, whole)
             pieces.append(lp)
             by_group[table.group_of[pc.index]].append(lp.tensor)
             if state:
@@ -312,8 +315,8 @@ class Partition:
                     for lp in chunk:
                         if grad_of is None:
                             g = lp.param.grad
-                            if g is not None and flat:
-                                g = g.reshape(-1)[lp.piece.start : lp.piece.stop]
+                            if g is not None and flat:  # ravel: the cheapest flattening, a view wherever reshape(-1) is one
+                                g = g.ravel() if lp.whole else g.ravel()[lp.piece.start : lp.piece.stop]
                         else:  # a 1-D slice of a shard, as a flat piece is; a param-mode piece has its param's shape
                             g = grad_of(lp.piece)
                             if g is not None and not flat:
