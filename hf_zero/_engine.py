@@ -12,6 +12,7 @@ checks they are all there).
 from __future__ import annotations
 
 import collections
+import operator
 from typing import Any, Callable
 
 import torch
@@ -60,6 +61,14 @@ def version_of(tensor: torch.Tensor) -> int:
     """``tensor``'s version counter: bumped by every in-place write through it or a view
     sharing its counter (``detach()``, indexing; not ``.data``, which has one of its own)."""
     return tensor._version
+
+
+def versions_of(tensors) -> tuple[int, ...]:
+    """:func:`version_of` of each of ``tensors``, read in one C-level pass."""
+    return tuple(map(_VERSION, tensors))
+
+
+_VERSION = operator.attrgetter("_version")
 
 
 def grad_accumulator(param: torch.Tensor):

@@ -12,6 +12,7 @@ adds each backward's average: a last-bit difference, not a different result).
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -432,3 +433,30 @@ def test_the_stand_ins_hold_no_memory_and_leave_at_the_step():
     opt.step()
     assert all(p.grad is None for p in model.parameters())
 
+
+
+@pytest.mark.fast
+def test_the_steps_one_pass_check_of_the_stand_ins_sees_every_touch():
+    """The step skips settling the stand-ins when ``StandIns.untouched`` says nothing was done to them: it must
+    see each thing settling follows (dropped, zeroed, replaced), stand-ins placed over earlier ones included."""
+    from hf_zero._stage2.stand_ins import StandIns
+
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 2)),
+              torch.nn.Parameter(torch.ones(1), requires_grad=False)]
+    touches = {"dropped": lambda p: setattr(p, "grad", None), "zeroed": lambda p: p.grad.zero_(),
+               "replaced": lambda p: setattr(p, "grad", torch.zeros_like(p))}
+    for name, touch in touches.items():
+        stand_ins = StandIns()
+        stand_ins.place(params, range(3), str)
+        assert stand_ins.untouched(params) and params[2].grad is None, name  # the frozen one gets none
+        touch(params[1])
+        assert not stand_ins.untouched(params), name
+        stand_ins.clear()
+        params[1].grad = None
+    stand_ins = StandIns()
+    stand_ins.place(params, [0], str)
+    params[0].grad.zero_()
+    stand_ins.place(params, [1], str)  # over param 0's, zeroed since and not settled
+    assert not stand_ins.untouched(params)
+    assert stand_ins.settle(SimpleNamespace(params=params), clear=False) == [(0, True)]
+    assert stand_ins.untouched(params) is False  # settling forgets the one-pass check until the next place

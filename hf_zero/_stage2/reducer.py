@@ -375,7 +375,8 @@ class Reducer:
                 return
             self._bucket(b)
             held = self._filling[b]
-        slot, g = held[0][offset : offset + numel], g.reshape(-1)
+        slot, g = (held[0].as_strided(g.size(), g.stride(), held[0].storage_offset() + offset), g) if g.is_contiguous() \
+            else (held[0][offset : offset + numel], g.reshape(-1))  # as_strided: one call, not a slice and a reshape
         n = self.comm.world_size if held[2] else 1  # divided as they come: early_divisor
         if i in self._placed:  # a second grad in one backward (nested backwards): summed as autograd would
             slot.add_(g if n == 1 else g / n)
@@ -465,8 +466,7 @@ class Reducer:
             self._finish(*self._in_flight.popleft())
         self._armed, self._shards.since.agreed, self._pending = False, None, set()
         ARMED.discard(self)
-        self._stand_ins.place(params, [i for i in self._plan.where if params[i].grad is None and params[i].requires_grad],
-                              self._table().label)
+        self._stand_ins.place(params, self._plan.where, self._table().label)
         if self._broadcast_buffers and self.module_ref() is not None:
             self._buffers.receive(self.comm, list(self.module_ref().buffers()))
 
@@ -508,9 +508,9 @@ class Reducer:
                 "hf_zero stage 2: a backward raised before it finished since the last step: the gradients "
                 "hold part of it; call optimizer.zero_grad() before the next backward"
             )
-        self.settle(clear=False)
-        table = self._table()
-        refuse_unreduced(table, self._stand_ins)
+        if not self._stand_ins.untouched((table := self._table()).params):
+            self.settle(clear=False)
+            refuse_unreduced(table, self._stand_ins)
         self._shards.since.check_answered()
         return self._shards.read(self._current_plan(), self.comm, len(table.params))
 

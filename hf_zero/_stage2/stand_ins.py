@@ -29,11 +29,14 @@ stand-ins out again.
 
 from __future__ import annotations
 
+from operator import attrgetter, is_
+
 import torch
 
-from .._engine import plain_tensors, version_of
+from .._engine import plain_tensors, version_of, versions_of
 
 
+_GRAD, _REQUIRES_GRAD = attrgetter("grad"), attrgetter("requires_grad")
 _LETS_THROUGH = frozenset({"zero_", "_foreach_zero_", "requires_grad_", "detach_"})
 _IN_PLACE_OPERATORS = frozenset({"__setitem__", "__set__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
                                  "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__",
@@ -91,19 +94,32 @@ class StandIns:
     def __init__(self):
         self._standing: dict[int, tuple] = {}  # param index -> (the param, its stand-in in p.grad, its plain alias, its version then)
         self._kept: dict[int, tuple] = {}  # (stand-in, plain alias): reused from one backward to the next while untouched
+        self._placed: tuple | None = None  # (per param of the table: its stand-in or None, the plain aliases, their versions)
 
     def __bool__(self) -> bool:
         return bool(self._standing)
+
+    def untouched(self, params) -> bool:
+        """Whether every one of ``params`` (the table's) holds in ``p.grad`` what :meth:`place` put there (its
+        stand-in, unchanged, or None): then :meth:`settle` finds nothing and nothing was left unreduced. One pass of
+        C-level reads over the params, where those two look at each one in Python."""
+        placed = self._placed
+        return (placed is not None and len(placed[0]) == len(params) and all(map(is_, map(_GRAD, params), placed[0]))
+                and versions_of(placed[1]) == placed[2])
 
     def holds(self, i: int, p: torch.Tensor) -> bool:
         """Whether ``p.grad`` (param ``i``) is its stand-in."""
         return i in self._standing and p.grad is self._standing[i][1]
 
-    def place(self, params, indices, label) -> None:
-        """Put the stand-ins of these params (whose ``p.grad`` is None) in ``p.grad``; ``label(i)``: param i's name."""
-        kept, standing = self._kept, self._standing
-        for i in indices:
-            p, (s, plain) = params[i], kept.get(i, (None, None))
+    def place(self, params, candidates, label) -> None:
+        """Put a stand-in in ``p.grad`` of each trainable param among ``candidates`` (indices into ``params``, the
+        table's) whose ``p.grad`` is None; ``label(i)``: param i's name."""
+        kept, standing, earlier = self._kept, self._standing, bool(self._standing)
+        expected, plains, chosen = [None] * len(params), [], list(map(params.__getitem__, candidates))
+        for i, p, g, trainable in zip(candidates, chosen, map(_GRAD, chosen), map(_REQUIRES_GRAD, chosen)):
+            if g is not None or not trainable:
+                continue
+            s, plain = kept.get(i, (None, None))
             if s is not None and not version_of(plain):
                 try:
                     p.grad = s  # refused where the param's shape, dtype or device is no longer the stand-in's
@@ -118,12 +134,20 @@ class StandIns:
                 kept[i] = (s, plain)
                 p.grad = s
             standing[i] = (p, s, plain, 0)  # untouched: its version is 0
+            expected[i] = s
+            plains.append(plain)
+        versions = (0,) * len(plains)
+        if earlier:  # some stood before: what untouched() compares is made of every one
+            for i, (_, s, _, _) in standing.items():
+                expected[i] = s
+            plains, versions = [e[2] for e in standing.values()], tuple(e[3] for e in standing.values())
+        self._placed = (expected, tuple(plains), versions)
 
     def settle(self, table, *, clear: bool) -> list[tuple[int, bool]]:
         """What was done to the stand-ins since they were placed: (param index, zeroed rather than
         dropped) for each set to None (dropped) or zeroed in place; anything else raises. ``clear``:
         a backward starts: take the stand-ins out of ``p.grad`` (autograd accumulates into it)."""
-        params, changed = table.params, []
+        params, changed, self._placed = table.params, [], None
         for i, (_, s, plain, version) in list(self._standing.items()):
             g = params[i].grad
             if g is s and version_of(plain) == version:
@@ -152,7 +176,7 @@ class StandIns:
         for p, s, _, _ in self._standing.values():
             if p.grad is s:
                 p.grad = None
-        self._standing = {}
+        self._standing, self._placed = {}, None
 
 
 def refuse_unreduced(table, stand_ins: "StandIns") -> None:
