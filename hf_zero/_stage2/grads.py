@@ -208,10 +208,10 @@ class Shards:
             if a < z and self.tensors[b] is not None:
                 self.tensors[b][a - lo : z - lo].zero_()
 
-    def read(self, current: Plan, comm: Comm, count: int) -> ShardedGrads:
-        """The grads for the step (``current``: the reducer's plan now, read when nothing was reduced)."""
+    def read(self, current, comm: Comm, count: int) -> ShardedGrads:
+        """The grads for the step (``current()``: the reducer's plan now, asked for only when nothing was reduced)."""
         if self.plan is None or not self.written:  # the same on every rank: nothing to agree on
-            return ShardedGrads(current, [], SinceStep(frozenset()), comm, count)
+            return ShardedGrads(current(), [], SinceStep(frozenset()), comm, count)
         return ShardedGrads(self.plan, self.tensors, self.since, comm, count)
 
     def clear(self) -> None:

@@ -512,7 +512,7 @@ class Reducer:
             self.settle(clear=False)
             refuse_unreduced(table, self._stand_ins)
         self._shards.since.check_answered()
-        return self._shards.read(self._current_plan(), self.comm, len(table.params))
+        return self._shards.read(self._current_plan, self.comm, len(table.params))
 
     def unscale_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor, *, allow_fp16: bool) -> None:
         """A GradScaler's unscale of this rank's shards ([Note: GradScaler over sharded grads] in
