@@ -572,7 +572,7 @@ class _Scratch:
         holder, self._holder = self._holder, None
         if holder is not None:
             holder.wait()
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         store = self._store.get(device)
         if store is None or store.numel() < nbytes:
             self._store.pop(device, None)  # room first: old and new never live together
