@@ -114,8 +114,7 @@ class StandIns:
     def place(self, params, candidates, label) -> None:
         """Put a stand-in in ``p.grad`` of each trainable param among ``candidates`` (indices into ``params``, the
         table's) whose ``p.grad`` is None; ``label(i)``: param i's name."""
-        kept, standing, earlier = self._kept, self._standing, bool(self._standing)
-        expected, plains, chosen = [None] * len(params), [], list(map(params.__getitem__, candidates))
+        kept, standing, chosen = self._kept, self._standing, list(map(params.__getitem__, candidates))
         for i, p, g, trainable in zip(candidates, chosen, map(_GRAD, chosen), map(_REQUIRES_GRAD, chosen)):
             if g is not None or not trainable:
                 continue
@@ -134,14 +133,10 @@ class StandIns:
                 kept[i] = (s, plain)
                 p.grad = s
             standing[i] = (p, s, plain, 0)  # untouched: its version is 0
+        expected = [None] * len(params)  # what untouched() compares: every stand-in standing, placed now or before
+        for i, (_, s, _, _) in standing.items():
             expected[i] = s
-            plains.append(plain)
-        versions = (0,) * len(plains)
-        if earlier:  # some stood before: what untouched() compares is made of every one
-            for i, (_, s, _, _) in standing.items():
-                expected[i] = s
-            plains, versions = [e[2] for e in standing.values()], tuple(e[3] for e in standing.values())
-        self._placed = (expected, tuple(plains), versions)
+        self._placed = (expected, tuple(e[2] for e in standing.values()), tuple(e[3] for e in standing.values()))
 
     def settle(self, table, *, clear: bool) -> list[tuple[int, bool]]:
         """What was done to the stand-ins since they were placed: (param index, zeroed rather than
