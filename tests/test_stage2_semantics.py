@@ -434,7 +434,6 @@ def test_the_stand_ins_hold_no_memory_and_leave_at_the_step():
     assert all(p.grad is None for p in model.parameters())
 
 
-
 @pytest.mark.fast
 def test_the_steps_one_pass_check_of_the_stand_ins_sees_every_touch():
     """The step skips settling the stand-ins when ``StandIns.untouched`` says nothing was done to them: it must

@@ -26,6 +26,8 @@ skips the step, the next backward drops the unscaled shards first, as a step wou
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .._comm import Comm
@@ -208,7 +210,7 @@ class Shards:
             if a < z and self.tensors[b] is not None:
                 self.tensors[b][a - lo : z - lo].zero_()
 
-    def read(self, current, comm: Comm, count: int) -> ShardedGrads:
+    def read(self, current: Callable[[], Plan], comm: Comm, count: int) -> ShardedGrads:
         """The grads for the step (``current()``: the reducer's plan now, asked for only when nothing was reduced)."""
         if self.plan is None or not self.written:  # the same on every rank: nothing to agree on
             return ShardedGrads(current(), [], SinceStep(frozenset()), comm, count)
