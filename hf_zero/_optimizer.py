@@ -330,6 +330,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
             self._partition, self._lifecycle.parked, self._table, layout, self._comm, moved=self._reload_due,
             optimizer_class=self.optimizer_class, param_groups=self.param_groups,
             bucket_view=self.parameters_as_bucket_view, masters=self.master_weights,
+            runs=self._grad.ddp_bucket_view is not False,  # DDP's copies of the grads lie apart: [Note: runs]
         )
         self._lifecycle.park(parked)
         self._reload_due = False

@@ -44,6 +44,7 @@ from ._layout import Layout, Piece
 from ._ledger import state_bytes
 from ._masters import MASTER_KEY, Master, aliases_watched, needs_master, split_saved, written_through_aliases
 from ._params import ParamTable
+from ._runs import Run, Runs, make_run, plan_runs
 from ._state import Holding, Holdings, Kind, kind_of, move, plan_moves, shape_as
 
 NOT_HYPER = ("params", "param_names")
@@ -80,7 +81,7 @@ class Partition:
 
     def __init__(self, *, layout: Layout, mask: tuple[bool, ...], shard: str, bucket_view: bool,
                  buffers: tuple[torch.Tensor, ...], ptrs: Mapping[int, int], pieces: tuple[LocalPiece, ...],
-                 inner: torch.optim.Optimizer | None):
+                 inner: torch.optim.Optimizer | None, runs: tuple[Run, ...] = ()):
         self.layout = layout
         self.mask = mask
         self.shard = shard
@@ -92,17 +93,19 @@ class Partition:
         self.inner = inner
         self._grad_scratch: dict[torch.device, torch.Tensor] = {}  # masters' fp32 grads, reused each step
         self._chunks: dict[tuple, tuple] = {}  # _step_chunks' answers, with the pieces they were made of
+        self._runs = Runs(runs, pieces, [lp.tensor for lp in pieces])  # [Note: runs] in _runs.py
 
     @classmethod
     def build(cls, table: ParamTable, layout: Layout, held: Holdings, *, rank: int, optimizer_class: type,
               param_groups: list[dict], bucket_view: bool, previous: "Partition | None",
-              old_buffers: tuple[torch.Tensor, ...] = (), masters: bool = False) -> "Partition":
+              old_buffers: tuple[torch.Tensor, ...] = (), masters: bool = False, runs: bool = True) -> "Partition":
         """Lay the buffers out, make params views of them (``bucket_view``), and build the
         local optimizer over this rank's pieces with the state in ``held`` (one group per
         param group, empty where this rank owns nothing of it, so every rank's local
         optimizer sees the same hyperparameters). ``masters``: 16-bit pieces are stepped
         through fp32 masters, from the held ``"master_param"`` where there is one.
-        ``old_buffers``: the retired ``previous``'s (see [Note: rebuilding in place])."""
+        ``old_buffers``: the retired ``previous``'s (see [Note: rebuilding in place]). ``runs``: adjacent pieces
+        may be stepped as one tensor where their grads will lie back to back ([Note: runs] in _runs.py)."""
         params = table.params
         if bucket_view and previous is not None:
             old = set(previous.ptrs.values())
@@ -127,35 +130,55 @@ class Partition:
                     p.data = p.data.contiguous()
                 ptrs[slot.index] = p.data_ptr()
             buffers.append(buf)
-        by_group: list[list[torch.Tensor]] = [[] for _ in param_groups]
-        pieces, placed = [], []
+        pieces, states = [], []
         for pc in layout.pieces(rank):
             p = params[pc.index]
             t = p.data.view(-1)[pc.start : pc.stop]
             if layout.shard == "param":
                 t = t.view(p.shape)
-            state = next((shape_as(h, t.shape) for h in held.get(pc.index, ())
-                          if h.start == pc.start and h.stop == pc.stop), {})
+            mine = held.get(pc.index, [])
+            at = next((j for j, h in enumerate(mine) if h.start == pc.start and h.stop == pc.stop), None)
+            # given up here: [Note: runs] in _runs.py copies it into a run's, freeing it as it goes
+            state = {} if at is None else shape_as(mine.pop(at), t.shape)
             state, saved = split_saved(state)  # a master without a 16-bit param to step is dropped
             master = Master(t, saved, p) if needs_master(masters, p) else None
             whole = layout.shard == "flat" and pc.start == 0 and pc.stop == p.numel()
             lp = LocalPiece(t, t, p, pc, whole=whole) if master is None else \
                 LocalPiece(master.tensor, t, p, pc, master, whole)
             pieces.append(lp)
-            by_group[table.group_of[pc.index]].append(lp.tensor)
-            if state:
-                placed.append((lp.tensor, _placed(state, lp.tensor)))
+            states.append(_placed(state, lp.tensor) if state else {})
+        tensors, groups = [lp.tensor for lp in pieces], [table.group_of[lp.piece.index] for lp in pieces]
+        made, run_states, first_of = [], [], {}
+        if runs and layout.shard == "flat" and all(lp.master is None for lp in pieces):
+            # where grads come in a bucket's order (DDP's, stage 2's): elsewhere they are not back to back
+            eligible = [layout.buffers[lp.piece.buffer].bucket is not None for lp in pieces]
+            for members in plan_runs(tensors, groups, states, eligible=eligible):
+                run, st = make_run(tensors, members, states)
+                first_of[members[0]] = len(made)
+                made.append(run)
+                run_states.append(st)
+        in_run = {m for run in made for m in run.members}
+        by_group: list[list[torch.Tensor]] = [[] for _ in param_groups]
+        for k, t in enumerate(tensors):
+            if k in first_of:
+                by_group[groups[k]].append(made[first_of[k]].tensor)
+            elif k not in in_run:
+                by_group[groups[k]].append(t)
         inner = optimizer_class([{**hyperparams(g), "params": ps} for g, ps in zip(param_groups, by_group)])
-        for t, st in placed:
-            inner.state[t] = st
+        for k, (t, st) in enumerate(zip(tensors, states)):
+            if st and k not in in_run:
+                inner.state[t] = st
+        for run, st in zip(made, run_states):
+            if st:
+                inner.state[run.tensor] = st
         return cls(layout=layout, mask=table.mask(), shard=layout.shard, bucket_view=bucket_view,
-                   buffers=tuple(buffers), ptrs=ptrs, pieces=tuple(pieces), inner=inner)
+                   buffers=tuple(buffers), ptrs=ptrs, pieces=tuple(pieces), inner=inner, runs=tuple(made))
 
     def retire(self) -> tuple[torch.Tensor, ...]:
         """End this partition's life (its state taken with :meth:`holdings`): drop its local
         optimizer and pieces and hand its buffers over, keeping no reference to either."""
         buffers, self.buffers, self.pieces, self.inner = self.buffers, (), (), None
-        self._grad_scratch = {}
+        self._grad_scratch, self._runs = {}, Runs()
         return buffers
 
     def without_buffers(self, params: tuple[torch.Tensor, ...]) -> "Partition":
@@ -169,6 +192,7 @@ class Partition:
         False), moving no state."""
         if not (self.buffers and self.bucket_view):
             return self
+        self._runs.split_all(self.inner)  # a run spans params, which each get storage of their own
         buffers, self.buffers = list(self.buffers), ()
         pieces, self.pieces = list(self.pieces), ()
         by_buffer: dict[int, list[int]] = {}
@@ -222,7 +246,8 @@ class Partition:
             return held
         self.follow_edits()
         for lp in self.pieces:
-            st = dict(self.inner.state.get(lp.tensor, {}))
+            st = self._runs.state_of(lp, self.inner)
+            st = dict(self.inner.state.get(lp.tensor, {})) if st is None else st
             if lp.master is not None and lp.master.stepped:
                 st[MASTER_KEY] = lp.master.tensor
             if st:
@@ -312,6 +337,8 @@ class Partition:
             for i, chunk in enumerate(chunks):
                 with _labelled("grads"):
                     scratch, used = self._scratch_for(chunk), {}
+                    member = self._runs.member
+                    run_grads: dict[int, list] = {}  # run -> its members' grads
                     for lp in chunk:
                         if grad_of is None:
                             g = lp.param.grad
@@ -328,7 +355,16 @@ class Partition:
                             used[d] = at + n
                             lp.master.set_grad(g, None if g is None else scratch[d][at : at + n])
                         else:  # a float32 stage-2 shard of a 16-bit param stepped without a master: rounded once
-                            lp.tensor.grad = g if g is None or g.dtype == lp.tensor.dtype else g.to(lp.tensor.dtype)
+                            g = g if g is None or g.dtype == lp.tensor.dtype else g.to(lp.tensor.dtype)
+                            at = member.get(id(lp)) if member else None
+                            if at is None:
+                                lp.tensor.grad = g
+                            else:
+                                of_run = run_grads.get(at[0])
+                                if of_run is None:
+                                    of_run = run_grads[at[0]] = [None] * self._runs.size(at[0])
+                                of_run[at[1]] = g
+                    given = self._runs.give_grads(run_grads, self.inner) if run_grads else ()
                 with _labelled("step"):
                     out = step_inner(**kwargs)
                 loss = out if loss is None else loss
@@ -336,14 +372,17 @@ class Partition:
                     for lp in chunk:
                         if lp.master is not None and lp.tensor.grad is not None:
                             lp.master.write_back()
-                        lp.tensor.grad = None
+                        if not member or id(lp) not in member:  # a run's pieces got no grad: its run did
+                            lp.tensor.grad = None
+                    for t in given:
+                        t.grad = None
                 if buffer_done is not None and i + 1 < len(chunks):
                     done_through(chunks[i + 1][0].piece.buffer)
             if buffer_done is not None:
                 done_through(len(self.buffers))
         except BaseException:  # the pieces hold no grad after a step, nor after one that raised
-            for lp in self.pieces:
-                lp.tensor.grad = None
+            for t in [lp.tensor for lp in self.pieces] + self._runs.tensors():
+                t.grad = None
             raise
         for inner_group, group in zip(self.inner.param_groups, param_groups):
             group.update(hyperparams(inner_group))
@@ -503,7 +542,7 @@ def piece_shape(table: ParamTable, shard: str, i: int, start: int, stop: int) ->
 
 def rebuild(previous: Partition | None, parked: Holdings, table: ParamTable, layout: Layout, comm: Comm, *,
             moved: bool, optimizer_class: type, param_groups: list[dict],
-            bucket_view: bool, masters: bool = False) -> tuple[Partition, Holdings]:
+            bucket_view: bool, masters: bool = False, runs: bool = True) -> tuple[Partition, Holdings]:
     """The Partition for ``layout``, built from ``previous`` and the ``parked`` state
     (frozen or loaded, not yet placed). Collective. Returns it and the state that stays
     parked (that of params outside the layout). ``moved``: whether state may have to
@@ -531,5 +570,5 @@ def rebuild(previous: Partition | None, parked: Holdings, table: ParamTable, lay
     del held
     partition = Partition.build(table, layout, new_held, rank=comm.rank, optimizer_class=optimizer_class,
                                 param_groups=param_groups, bucket_view=bucket_view, previous=previous,
-                                old_buffers=old_buffers, masters=masters)
+                                old_buffers=old_buffers, masters=masters, runs=runs)
     return partition, still_parked

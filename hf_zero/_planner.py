@@ -23,6 +23,7 @@ import torch
 
 from ._comm import default_strategy
 from ._layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
+from ._runs import may_follow
 from ._stage2 import GRAD_ACCUM_DTYPES, accumulate_dtype, buckets_in_flight, plan_buckets, shard_dtype
 
 SCHEMA = "hf_zero.plan/3"  # 3: "ledger" (and "fits" with --device-memory)
@@ -685,12 +686,15 @@ def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 
     per_rank = []
     for r in range(world_size):
         state = masters = shards = 0
-        for pc in layout.pieces(r):
+        pieces = layout.pieces(r)
+        for pc in pieces:
             s = specs[pc.index]
             half = master_weights and size[s.dtype] < 4
             shape = shapes[pc.index] if shapes is not None and shard == "param" else (pc.numel,)
             state += state_bytes(shape, pc.numel, optimizer=optimizer, itemsize=4 if half else size[s.dtype])
             masters += 4 * pc.numel if half else 0
+        if optimizer == "adamw" and not masters and (stage == 2 or ddp_bucket_view):  # a run: one tensor, one step
+            state -= _STEP_BYTES * _joined(layout, pieces, specs, size)
         if stage == 2:
             widen = accumulate_dtype(grad_accum_dtype, stage)
             for b in layout.buffers:
@@ -712,6 +716,23 @@ def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 
         out["bucket_bounds"] = {"buckets_in_flight": sum(sorted(widths, reverse=True)[: in_flight + 1]),
                                 "buckets_pooled": (in_flight + 1) * pooled}
     return out
+
+
+def _joined(layout, pieces, specs, size) -> int:
+    """How many of a rank's ``pieces`` join the one before in a run ([Note: runs] in _runs.py)."""
+    if layout.shard != "flat":
+        return 0
+    joined, prev, run = 0, None, 0
+    for pc in pieces:
+        spec = specs[pc.index]
+        if (prev is not None and layout.buffers[pc.buffer].bucket is not None and pc.buffer == prev.buffer
+                and prev.offset + prev.numel == pc.offset and specs[prev.index].group == spec.group
+                and may_follow(prev.numel * size[spec.dtype], run, pc.numel)):
+            joined, run = joined + 1, run + pc.numel
+        else:
+            run = pc.numel
+        prev = pc
+    return joined
 
 
 _OPTIMIZER_NAMES = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd", "adafactor": "adafactor"}

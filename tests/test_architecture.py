@@ -39,6 +39,7 @@ LAYERS = [
     "_stage2",
     "_gradpath",
     "_clip",
+    "_runs",
     "_partition",
     "_lifecycle",
     "_optimizer",

@@ -1,0 +1,228 @@
+"""Runs: adjacent flat pieces of one param group that the local optimizer steps as one tensor.
+
+[Note: runs]
+An elementwise optimizer (the condition for flat pieces) updates each element from its own
+grad and state, the group's hyperparameters and per-tensor scalars (Adam's ``step``) alone.
+What its step costs the host is mostly per tensor: torch's walk over the params with a
+grad, each tensor's state, the kernels' per-tensor setup, and hf_zero's own handing of each
+piece its grad. Over a rank's pieces of a model with many small params that is several
+times the arithmetic. So adjacent pieces of one buffer, in one param group, with the same
+per-tensor scalars (or no state yet) are one tensor to the local optimizer: a *run*, a view
+of the buffer spanning them, whose state is one tensor per key, each piece's state a slice
+of it. The same elements get the same update, bit for bit (tests/test_runs.py): a piece is
+followed by another only if it fills whole 64-byte vector registers, since CPU kernels step
+a tensor's last partial register another way (torch's fused AdamW rounds it differently).
+
+- A run is formed when a partition is built, in buffers laid out as a reduce bucket (DDP's
+  with the reduce-scatter and ``gradient_as_bucket_view``, stage 2's), where each step's
+  grads lie in the buffer's order, only where no piece has a master (the fp32 copy a master
+  steps is a tensor of its own), up to ``_MAX_RUN_ELEMENTS`` elements. The
+  pieces' held state (moved or loaded) is copied into the run's, one key at a time, each
+  piece's dropped as it goes: a rebuild holds one run's key more at most.
+- Each step gives a run one grad: the span of its pieces' grads, which lie back to back in
+  one storage (DDP's buckets with ``gradient_as_bucket_view``, stage 2's shards).
+- A step where they do not (grads of their own), or where some pieces of a run have a grad
+  and others none (torch's optimizers skip a param without a grad), splits the run for good:
+  its pieces become the optimizer's params again, their state slices of the run's (scalars
+  copied, one each), as before the run.
+- The partition's :meth:`holdings` (checkpoints, moves, stats) see each piece's own slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ._state import Kind, kind_of
+
+# The longest run, in elements: a rebuild copies a run's state one key at a time.
+_MAX_RUN_ELEMENTS = 1 << 22
+# A piece is followed by another in a run only if it fills whole vector registers (64 bytes: AVX-512's,
+# a multiple of narrower ones): an element that ends a tensor alone ends it in the run too.
+_LANES_BYTES = 64
+
+
+@dataclass(eq=False)
+class Run:
+    """Pieces ``members`` (positions in the partition's pieces) stepped as ``tensor``; member k is
+    ``tensor[starts[k]:starts[k + 1]]``."""
+
+    tensor: torch.Tensor
+    members: tuple[int, ...]
+    starts: tuple[int, ...]
+
+
+def plan_runs(tensors: Sequence[torch.Tensor], groups: Sequence[int], states: Sequence[dict],
+              eligible: Sequence[bool]) -> list[tuple[int, ...]]:
+    """The runs (two pieces or more) of consecutive pieces: 1-D ``tensors`` back to back in one storage,
+    one group, one dtype, all ``eligible``, with no state or the same keys and scalars (compared on the
+    host: a rebuild is a cold path), at most ``_MAX_RUN_ELEMENTS`` elements."""
+    runs, current, size = [], [], 0
+    for k, t in enumerate(tensors):
+        if current:
+            last = current[-1]
+            prev = tensors[last]
+            if not (eligible[k] and groups[k] == groups[last] and t.dtype == prev.dtype and t.dim() == 1
+                    and may_follow(prev.numel() * prev.element_size(), size, t.numel()) and _follows(prev, t)
+                    and _same_scalars(states[current[0]], states[k], tensors[current[0]].shape, t.shape)):
+                if len(current) > 1:
+                    runs.append(tuple(current))
+                current, size = [], 0
+        if not current:
+            if not (eligible[k] and t.dim() == 1 and t.is_contiguous()):
+                continue
+        current.append(k)
+        size += t.numel()
+    if len(current) > 1:
+        runs.append(tuple(current))
+    return runs
+
+
+def may_follow(prev_bytes: int, run_elements: int, numel: int) -> bool:
+    """Whether a piece of ``numel`` elements may follow one of ``prev_bytes`` bytes at the end of a run of
+    ``run_elements`` (back to back, in one group and dtype: the caller's to check)."""
+    return prev_bytes % _LANES_BYTES == 0 and run_elements + numel <= _MAX_RUN_ELEMENTS
+
+
+def _follows(prev: torch.Tensor, t: torch.Tensor) -> bool:
+    return (t.is_contiguous() and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+            and t.data_ptr() == prev.data_ptr() + prev.numel() * prev.element_size())
+
+
+def _same_scalars(first: dict, other: dict, first_shape, shape) -> bool:
+    if first.keys() != other.keys():
+        return False
+    for key, a in first.items():
+        b = other[key]
+        kind = kind_of(a, first_shape)
+        if kind is not kind_of(b, shape) or kind is Kind.BLOB:
+            return False
+        if kind is Kind.SCALAR and not (a.dtype == b.dtype and a.device == b.device and a.item() == b.item()):
+            return False
+        if kind is Kind.PLAIN and a != b:
+            return False
+        if kind is Kind.ELEMENTWISE and (a.dtype != b.dtype or a.device != b.device):
+            return False
+    return True
+
+
+def make_run(tensors: Sequence[torch.Tensor], members: tuple[int, ...], states: list[dict]) -> tuple[Run, dict]:
+    """The run of ``members`` and its state, from the members' ``states`` (emptied as they are read, so
+    that each piece's state is freed once copied where nothing else holds it)."""
+    first = tensors[members[0]]
+    starts = [0]
+    for k in members:
+        starts.append(starts[-1] + tensors[k].numel())
+    run = Run(first.as_strided((starts[-1],), (1,)), members, tuple(starts))
+    merged: dict[str, Any] = {}
+    for key in list(states[members[0]]):
+        values = [states[k].pop(key) for k in members]
+        kind = kind_of(values[0], first.shape)
+        if kind is Kind.ELEMENTWISE:
+            span = _span(values)
+            merged[key] = torch.cat(values) if span is None else span
+        elif kind is Kind.SCALAR:
+            merged[key] = values[0].clone()
+        else:
+            merged[key] = values[0]
+        del values
+    return run, merged
+
+
+def _span(values: list[torch.Tensor]) -> torch.Tensor | None:
+    """``values`` as one tensor without a copy, where they lie back to back in one storage."""
+    for prev, t in zip(values, values[1:]):
+        if not _follows(prev, t):
+            return None
+    return values[0].as_strided((sum(v.numel() for v in values),), (1,))
+
+
+def member_state(run: Run, state: dict, k: int) -> dict:
+    """Member ``k``'s state: slices of the run's elementwise state, its own copy of each scalar."""
+    a, b = run.starts[k], run.starts[k + 1]
+    out = {}
+    for key, v in state.items():
+        kind = kind_of(v, run.tensor.shape)
+        out[key] = v[a:b] if kind is Kind.ELEMENTWISE else v.clone() if kind is Kind.SCALAR else v
+    return out
+
+
+def run_grad(run: Run, grads: list) -> torch.Tensor | None | bool:
+    """The run's grad from its members' ``grads``: None when none has one; the span of them where they lie
+    back to back in one storage; else False (the run must split)."""
+    first = grads[0]
+    missing = any(g is None for g in grads)  # not ``None in grads``: that compares tensors with ==
+    if first is None or missing:
+        return None if all(g is None for g in grads) else False
+    if first.dtype != run.tensor.dtype:
+        return False
+    size = first.element_size()
+    base = first.data_ptr()
+    if list(map(torch.Tensor.data_ptr, grads)) != [base + s * size for s in run.starts[:-1]] \
+            or not all(map(torch.Tensor.is_contiguous, grads)):
+        return False
+    try:  # within the first grad's storage, the others lie in it too, at their places
+        return first.as_strided((run.starts[-1],), (1,))
+    except RuntimeError:
+        return False
+
+
+class Runs:
+    """A partition's runs that are not split: each piece's place in one (:attr:`member`, by ``id`` of the
+    piece), giving them their grads, splitting them, each piece's state."""
+
+    def __init__(self, runs: Sequence[Run] = (), pieces: Sequence = (), tensors: Sequence[torch.Tensor] = ()):
+        self._live = dict(enumerate(runs))
+        self._tensors = tuple(tensors)  # each piece's tensor, by position
+        self._ids = tuple(map(id, pieces))
+        self.member = {self._ids[m]: (r, k) for r, run in self._live.items() for k, m in enumerate(run.members)}
+
+    def size(self, r: int) -> int:
+        return len(self._live[r].members)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [run.tensor for run in self._live.values()]
+
+    def give_grads(self, run_grads: dict[int, list], optimizer) -> list[torch.Tensor]:
+        """Give each run of ``run_grads`` (run -> its members' grads) its grad; a run whose members'
+        grads cannot be one splits, and each member takes its own. Returns the tensors given grads."""
+        given = []
+        for r, grads in run_grads.items():
+            run = self._live[r]
+            grad = run_grad(run, grads)
+            if grad is False:
+                self.split(r, optimizer)
+                for m, g in zip(run.members, grads):
+                    self._tensors[m].grad = g
+                    given.append(self._tensors[m])
+            else:
+                run.tensor.grad = grad
+                given.append(run.tensor)
+        return given
+
+    def split(self, r: int, optimizer) -> None:
+        """Run ``r``'s pieces become ``optimizer``'s params again, each with its slice of the run's state."""
+        run = self._live.pop(r)
+        tensors = [self._tensors[m] for m in run.members]
+        state = optimizer.state.pop(run.tensor, None)
+        if state:
+            for k, t in enumerate(tensors):
+                optimizer.state[t] = member_state(run, state, k)
+        for group in optimizer.param_groups:
+            group["params"] = [x for t in group["params"] for x in (tensors if t is run.tensor else (t,))]
+        for m in run.members:
+            del self.member[self._ids[m]]
+
+    def split_all(self, optimizer) -> None:
+        for r in list(self._live):
+            self.split(r, optimizer)
+
+    def state_of(self, piece, optimizer) -> dict | None:
+        """``piece``'s state (a slice of its run's), or None where it is in no run."""
+        at = self.member.get(id(piece))
+        if at is None:
+            return None
+        run = self._live[at[0]]
+        return member_state(run, optimizer.state.get(run.tensor, {}), at[1])
