@@ -340,6 +340,9 @@ class Partition:
                     member = self._runs.member
                     run_grads: dict[int, list] = {}  # run -> its members' grads
                     for lp in chunk:
+                        if grad_of is not None and member and id(lp) in member:
+                            run_grads.setdefault(member[id(lp)][0], None)  # its run's grad: one span, below
+                            continue
                         if grad_of is None:
                             g = lp.param.grad
                             if g is not None and flat:  # ravel: the cheapest flattening, a view wherever reshape(-1) is one
@@ -364,6 +367,9 @@ class Partition:
                                 if of_run is None:
                                     of_run = run_grads[at[0]] = [None] * self._runs.size(at[0])
                                 of_run[at[1]] = g
+                    if grad_of is not None:
+                        for r in run_grads:
+                            run_grads[r] = self._runs.span_grad(r, grad_of)
                     given = self._runs.give_grads(run_grads, self.inner) if run_grads else ()
                 with _labelled("step"):
                     out = step_inner(**kwargs)

@@ -178,20 +178,33 @@ class Runs:
         self._tensors = tuple(tensors)  # each piece's tensor, by position
         self._ids = tuple(map(id, pieces))
         self.member = {self._ids[m]: (r, k) for r, run in self._live.items() for k, m in enumerate(run.members)}
+        # each run's pieces' layout pieces (``piece.piece``), for a grad that comes as one span of them
+        self._spans = {r: tuple(pieces[m].piece for m in run.members) for r, run in self._live.items()}
 
     def size(self, r: int) -> int:
         return len(self._live[r].members)
 
+    def span_grad(self, r: int, grad_of):
+        """Run ``r``'s grad from stage 2's shards (``grad_of``: ``grad_of(piece)``, ``grad_of.span(pieces)``): one
+        span of them, in the run's dtype; where some of its params have a grad and others none, its members'
+        grads (for :meth:`give_grads`, which splits it)."""
+        pieces, dtype = self._spans[r], self._live[r].tensor.dtype
+        grad = grad_of.span(pieces)
+        if grad is False:
+            return [g if g is None else g.to(dtype) for g in map(grad_of, pieces)]
+        return grad if grad is None or grad.dtype == dtype else grad.to(dtype)
+
     def tensors(self) -> list[torch.Tensor]:
         return [run.tensor for run in self._live.values()]
 
-    def give_grads(self, run_grads: dict[int, list], optimizer) -> list[torch.Tensor]:
-        """Give each run of ``run_grads`` (run -> its members' grads) its grad; a run whose members'
-        grads cannot be one splits, and each member takes its own. Returns the tensors given grads."""
+    def give_grads(self, run_grads: dict[int, Any], optimizer) -> list[torch.Tensor]:
+        """Give each run of ``run_grads`` (run -> its members' grads, or its own grad or None) its grad; a run
+        whose members' grads cannot be one splits, and each member takes its own. Returns the tensors given
+        grads."""
         given = []
         for r, grads in run_grads.items():
             run = self._live[r]
-            grad = run_grad(run, grads)
+            grad = run_grad(run, grads) if isinstance(grads, list) else grads
             if grad is False:
                 self.split(r, optimizer)
                 for m, g in zip(run.members, grads):
@@ -214,6 +227,7 @@ class Runs:
             group["params"] = [x for t in group["params"] for x in (tensors if t is run.tensor else (t,))]
         for m in run.members:
             del self.member[self._ids[m]]
+        del self._spans[r]
 
     def split_all(self, optimizer) -> None:
         for r in list(self._live):
