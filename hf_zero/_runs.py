@@ -37,8 +37,10 @@ import torch
 
 from ._state import Kind, kind_of
 
-# The longest run, in elements: a rebuild copies a run's state one key at a time.
-_MAX_RUN_ELEMENTS = 1 << 22
+# The longest run, in elements: the longest flat piece's ([Note: chunked pieces] in _layout.py: on the CPU
+# torch's single-tensor AdamW allocates temporaries as large as its tensor); a rebuild copies a run's
+# state one key at a time.
+_MAX_RUN_ELEMENTS = 1 << 20
 # A piece is followed by another in a run only if it fills whole vector registers (64 bytes: AVX-512's,
 # a multiple of narrower ones): an element that ends a tensor alone ends it in the run too.
 _LANES_BYTES = 64

@@ -220,9 +220,9 @@ CASES = [(stage, optimizer, groups) for stage in (1, 2) for optimizer in OPTIMIZ
 
 
 def _all(rank, world_size, directory):
-    out = {}
+    out, cap = {}, _runs._MAX_RUN_ELEMENTS
     for runs in (True, False):
-        _runs._MAX_RUN_ELEMENTS = (1 << 22) if runs else 0
+        _runs._MAX_RUN_ELEMENTS = cap if runs else 0
         for case in CASES:
             out[(*case, runs)] = _train(rank, world_size, *case, directory, runs)
     return out
