@@ -340,8 +340,16 @@ class Partition:
                     member = self._runs.member
                     run_grads: dict[int, list] = {}  # run -> its members' grads
                     for lp in chunk:
-                        if grad_of is not None and member and id(lp) in member:
-                            run_grads.setdefault(member[id(lp)][0], None)  # its run's grad: one span, below
+                        in_run = member.get(id(lp)) if member else None
+                        if in_run is not None:  # its run takes one grad (below): the span of its params' grads
+                            r, k = in_run
+                            if grad_of is not None:
+                                run_grads.setdefault(r, None)
+                                continue
+                            of_run = run_grads.get(r)
+                            if of_run is None:
+                                of_run = run_grads[r] = [None] * self._runs.size(r)
+                            of_run[k] = lp.param.grad
                             continue
                         if grad_of is None:
                             g = lp.param.grad
@@ -358,15 +366,7 @@ class Partition:
                             used[d] = at + n
                             lp.master.set_grad(g, None if g is None else scratch[d][at : at + n])
                         else:  # a float32 stage-2 shard of a 16-bit param stepped without a master: rounded once
-                            g = g if g is None or g.dtype == lp.tensor.dtype else g.to(lp.tensor.dtype)
-                            at = member.get(id(lp)) if member else None
-                            if at is None:
-                                lp.tensor.grad = g
-                            else:
-                                of_run = run_grads.get(at[0])
-                                if of_run is None:
-                                    of_run = run_grads[at[0]] = [None] * self._runs.size(at[0])
-                                of_run[at[1]] = g
+                            lp.tensor.grad = g if g is None or g.dtype == lp.tensor.dtype else g.to(lp.tensor.dtype)
                     if grad_of is not None:
                         for r in run_grads:
                             run_grads[r] = self._runs.span_grad(r, grad_of)

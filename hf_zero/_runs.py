@@ -151,8 +151,9 @@ def member_state(run: Run, state: dict, k: int) -> dict:
     return out
 
 
-def run_grad(run: Run, grads: list) -> torch.Tensor | None | bool:
-    """The run's grad from its members' ``grads``: None when none has one; the span of them where they lie
+def run_grad(run: Run, grads: list, pieces: Sequence) -> torch.Tensor | None | bool:
+    """The run's grad from its members' params' ``grads`` (each whole, as in ``p.grad``; member k's elements
+    are ``pieces[k].start:pieces[k].stop`` of it): None when none has one; the span of them where they lie
     back to back in one storage; else False (the run must split)."""
     first = grads[0]
     missing = any(g is None for g in grads)  # not ``None in grads``: that compares tensors with ==
@@ -161,14 +162,19 @@ def run_grad(run: Run, grads: list) -> torch.Tensor | None | bool:
     if first.dtype != run.tensor.dtype:
         return False
     size = first.element_size()
-    base = first.data_ptr()
-    if list(map(torch.Tensor.data_ptr, grads)) != [base + s * size for s in run.starts[:-1]] \
+    ptrs = list(map(torch.Tensor.data_ptr, grads))
+    base = ptrs[0] + pieces[0].start * size
+    if [p + pc.start * size for p, pc in zip(ptrs, pieces)] != [base + s * size for s in run.starts[:-1]] \
             or not all(map(torch.Tensor.is_contiguous, grads)):
         return False
     try:  # within the first grad's storage, the others lie in it too, at their places
-        return first.as_strided((run.starts[-1],), (1,))
+        return first.as_strided((run.starts[-1],), (1,), first.storage_offset() + pieces[0].start)
     except RuntimeError:
         return False
+
+
+class _Split(tuple):
+    """A run's members' own grads (stage 2, where some of its params have a grad and others none)."""
 
 
 class Runs:
@@ -193,21 +199,23 @@ class Runs:
         pieces, dtype = self._spans[r], self._live[r].tensor.dtype
         grad = grad_of.span(pieces)
         if grad is False:
-            return [g if g is None else g.to(dtype) for g in map(grad_of, pieces)]
+            return _Split(g if g is None else g.to(dtype) for g in map(grad_of, pieces))
         return grad if grad is None or grad.dtype == dtype else grad.to(dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [run.tensor for run in self._live.values()]
 
     def give_grads(self, run_grads: dict[int, Any], optimizer) -> list[torch.Tensor]:
-        """Give each run of ``run_grads`` (run -> its members' grads, or its own grad or None) its grad; a run
-        whose members' grads cannot be one splits, and each member takes its own. Returns the tensors given
-        grads."""
+        """Give each run of ``run_grads`` its grad: run -> a list of its members' params' grads (``p.grad``), or
+        what :meth:`span_grad` gave. A run whose members' grads cannot be one splits, and each member takes its
+        own. Returns the tensors given grads."""
         given = []
         for r, grads in run_grads.items():
-            run = self._live[r]
-            grad = run_grad(run, grads) if isinstance(grads, list) else grads
-            if grad is False:
+            run, pieces = self._live[r], self._spans[r]
+            grad = run_grad(run, grads, pieces) if isinstance(grads, list) else grads
+            if grad is False or isinstance(grads, _Split):
+                if isinstance(grads, list):  # each member's elements of its param's grad
+                    grads = [g if g is None else g.ravel()[pc.start : pc.stop] for g, pc in zip(grads, pieces)]
                 self.split(r, optimizer)
                 for m, g in zip(run.members, grads):
                     self._tensors[m].grad = g

@@ -5,6 +5,7 @@ checkpoint resumed. Each run of 2 gloo ranks trains twice, with runs and with th
 (``hf_zero._runs._MAX_RUN_ELEMENTS = 0`` in that rank's process), and compares."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -100,14 +101,17 @@ def test_a_runs_state_is_its_pieces_state_and_gives_each_piece_its_own_back():
 def test_a_run_takes_its_pieces_grads_only_where_they_are_back_to_back():
     buf = torch.zeros(30)
     run = Run(buf, (0, 1, 2), (0, 10, 25, 30))
-    grads = torch.randn(40)
-    back_to_back = _slices(grads, [(5, 15), (15, 30), (30, 35)])
-    got = run_grad(run, back_to_back)
+    grads = torch.randn(45)
+    # the first member is the last 10 elements of a 2-D param's grad, the others whole params' grads
+    params = [grads[0:15].view(3, 5), grads[15:30], grads[30:35]]
+    pieces = [SimpleNamespace(start=5), SimpleNamespace(start=0), SimpleNamespace(start=0)]
+    got = run_grad(run, params, pieces)
     assert got.data_ptr() == grads[5:].data_ptr() and torch.equal(got, grads[5:35])
-    assert run_grad(run, [back_to_back[0], back_to_back[1].clone(), back_to_back[2]]) is False  # one replaced
-    assert run_grad(run, [back_to_back[0], None, back_to_back[2]]) is False  # one param without a grad
-    assert run_grad(run, [None, None, None]) is None
-    assert run_grad(run, [g.double() for g in back_to_back]) is False  # another dtype
+    assert run_grad(run, [params[0], params[1].clone(), params[2]], pieces) is False  # one replaced
+    assert run_grad(run, [params[0], None, params[2]], pieces) is False  # one param without a grad
+    assert run_grad(run, [None, None, None], pieces) is None
+    assert run_grad(run, [g.double() for g in params], pieces) is False  # another dtype
+    assert run_grad(run, [params[0].t(), params[1], params[2]], pieces) is False  # not contiguous
 
 
 # -- training: with runs and without, bit for bit --------------------------------------------------------
