@@ -93,7 +93,7 @@ class Partition:
         self.inner = inner
         self._grad_scratch: dict[torch.device, torch.Tensor] = {}  # masters' fp32 grads, reused each step
         self._chunks: dict[tuple, tuple] = {}  # _step_chunks' answers, with the pieces they were made of
-        self._runs = Runs(runs, pieces, [lp.tensor for lp in pieces])  # [Note: runs] in _runs.py
+        self._runs = Runs(runs, pieces)  # [Note: runs] in _runs.py
 
     @classmethod
     def build(cls, table: ParamTable, layout: Layout, held: Holdings, *, rank: int, optimizer_class: type,

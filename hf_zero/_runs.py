@@ -181,9 +181,9 @@ class Runs:
     """A partition's runs that are not split: each piece's place in one (:attr:`member`, by ``id`` of the
     piece), giving them their grads, splitting them, each piece's state."""
 
-    def __init__(self, runs: Sequence[Run] = (), pieces: Sequence = (), tensors: Sequence[torch.Tensor] = ()):
+    def __init__(self, runs: Sequence[Run] = (), pieces: Sequence = ()):
         self._live = dict(enumerate(runs))
-        self._tensors = tuple(tensors)  # each piece's tensor, by position
+        self._tensors = tuple(p.tensor for p in pieces)  # each piece's tensor, by position
         self._ids = tuple(map(id, pieces))
         self.member = {self._ids[m]: (r, k) for r, run in self._live.items() for k, m in enumerate(run.members)}
         # each run's pieces' layout pieces (``piece.piece``), for a grad that comes as one span of them

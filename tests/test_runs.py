@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hf_zero import _runs
 from hf_zero._runs import Run, make_run, member_state, plan_runs, run_grad
 from tests._dist import run_ranks
-from tests.models import BATCH, assert_params_equal
+from tests.models import BATCH, assert_params_equal, assert_state_dicts_equal
 
 STEPS = 10
 FREEZE_AT, UNFREEZE_AT, SKIP_AT, RESUME_AFTER = 3, 5, 6, 7
@@ -244,18 +244,9 @@ def test_runs_step_every_element_as_its_piece_alone_would(results, stage, optimi
         with_runs, without = out[(stage, optimizer, groups, True)], out[(stage, optimizer, groups, False)]
         assert all(map(torch.equal, with_runs["params"], without["params"])), f"rank {rank}: params differ"
         if rank == 0:
-            _assert_same_state(with_runs["state"], without["state"])
+            assert_state_dicts_equal(with_runs["state"], without["state"])
         # runs formed: fewer tensors stepped than pieces at some step, and none without runs
         assert min(with_runs["stepped"]) < max(without["stepped"]), (with_runs["stepped"], without["stepped"])
     assert_params_equal(results[0][(stage, optimizer, groups, True)]["params"],
                         _reference(2, optimizer, groups), "param (against plain torch on the global batch)")
 
-
-def _assert_same_state(a, b):
-    assert a["param_groups"] == b["param_groups"]
-    assert a["state"].keys() == b["state"].keys()
-    for i, st in a["state"].items():
-        assert st.keys() == b["state"][i].keys(), i
-        for key, v in st.items():
-            w = b["state"][i][key]
-            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w, (i, key)

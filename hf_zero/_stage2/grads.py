@@ -141,10 +141,10 @@ class ShardedGrads:
         if present < len(pieces):
             return False if present else None
         first, last = pieces[0], pieces[-1]
-        whole = self.held(first)
-        if whole is None:
+        head = self.held(first)
+        if head is None:
             return None
-        return whole.as_strided((last.offset + last.numel - first.offset,), (1,))
+        return head.as_strided((last.offset + last.numel - first.offset,), (1,))
 
     def __call__(self, piece: Piece) -> torch.Tensor | None:
         if self._since.agreed is None:
