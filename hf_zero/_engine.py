@@ -93,6 +93,13 @@ def will_run(node) -> bool:
     return bool(will_execute(node))
 
 
+def will_run_each(nodes) -> list[bool]:
+    """:func:`will_run` of each of ``nodes``, in one pass."""
+    if _WILL_EXECUTE is None:
+        will_run(None)  # its error
+    return list(map(_WILL_EXECUTE, nodes))
+
+
 def will_accumulate(node) -> bool:
     """Whether the running backward pass will execute leaf ``node`` (an ``AccumulateGrad``), writing
     ``.grad``: False under ``torch.autograd.grad``, which captures the leaf's grad instead (torch

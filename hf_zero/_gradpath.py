@@ -58,6 +58,7 @@ class GradientPath:
         # every hook and attribute on the user's module ([Note: a binding ends with its run]); a newer
         # binding over the same params unbinds it ([Note: a newer binding takes over] in _binding.py)
         self.binding = Binding(end=self.unbind)
+        self._equal_layouts: tuple = ()  # see _same_layout
 
     def _table(self):
         return self._facts()()[0]
@@ -170,12 +171,23 @@ class GradientPath:
         GradScaler agreed already, or another all-reduce carried the flags: ``carried`` gives them reduced)."""
         if grads is None:
             return None
-        if grads.pieces and grads.layout != self.layout:
+        if grads.pieces and not self._same_layout(grads.layout):
             raise RuntimeError(
                 "hf_zero stage 2: the trainable params (or their shapes) changed between the backward and "
                 "optimizer.step(): change requires_grad only right after step() or zero_grad()"
             )
         return grads.agree(carried)
+
+    def _same_layout(self, reduced_into: Layout) -> bool:
+        """Whether ``reduced_into`` (the reducer's layout) equals the current one. Layouts are immutable and
+        two equal ones are usually two objects (the reducer plans its own): the last pair found equal is kept,
+        so a steady step compares two identities, not every slot of both."""
+        current, kept = self.layout, self._equal_layouts
+        if not (kept and kept[0] is reduced_into and kept[1] is current):
+            if reduced_into != current:
+                return False
+            self._equal_layouts = (reduced_into, current)
+        return True
 
     def memory(self, params: tuple[torch.Tensor, ...]) -> dict[str, int]:
         """This rank's gradient bytes by holder ([Note: memory ledger] in _ledger.py): DDP's buckets (as many

@@ -117,12 +117,13 @@ class CurrentPlan:
         self._table, self._shard, self._world_size, self._rank = table, shard, world_size, rank
         self.plan: Plan | None = None
         self.accumulators: dict = {}  # param index -> its AccumulateGrad node
+        self.reach: tuple = ((), (), ())  # the planned params in ``where``'s order, their nodes, the count per bucket
         self._key = None  # (the specs, the cap) the plan follows
         self._quick = None  # (a cheap key of the table's params, the key it gave)
 
     def forget(self) -> None:
         """Plan again at the next :meth:`current` (a bind or unbind changes the module's order)."""
-        self._key, self.accumulators = None, {}
+        self._key, self.accumulators, self.reach = None, {}, ((), (), ())
 
     def current(self, module_ref, cap_bytes: int) -> tuple[Plan, bool]:
         """(the plan now, whether it was made anew). A plan whose build raises leaves this as it was."""
@@ -138,6 +139,10 @@ class CurrentPlan:
             plan, params = plan_of(layout, self._rank), table.params
             accumulators = {i: grad_accumulator(params[i]) for i in plan.where}  # before anything changes
             self.plan, self._key, self.accumulators, changed = plan, key, accumulators, True
+            counts = [0] * len(plan.sizes)
+            for b, _, _ in plan.where.values():
+                counts[b] += 1
+            self.reach = (tuple(plan.where), tuple(accumulators.values()), tuple(counts))
         self._quick = (quick, self._key)
         return self.plan, changed
 

@@ -120,7 +120,8 @@ import torch
 from .._binding import Binding, claimants
 from .._comm import Comm, early_divisor
 from .._engine import (
-    accumulates, graph_task_id, in_functorch, queue_end_of_backward, reentrant_region_below, tree_tensors, will_run,
+    accumulates, graph_task_id, in_functorch, queue_end_of_backward, reentrant_region_below, tree_tensors,
+    will_run_each,
 )
 from .buffers import ReceivedBuffers, broadcast_at_bind
 from .grads import ShardedGrads, Shards, unscale
@@ -161,7 +162,7 @@ class Reducer:
         self._regions_cache: tuple = (None, False)  # (unreached params, reentrant regions below)
         self._broken = False  # a backward raised midway since the last step / zero_grad
         self._next = 0  # the next buffer to reduce-scatter
-        self._filling: dict[int, tuple] = {}  # buffer -> (bucket, pooled base or None, divided by N already)
+        self._filling: dict[int, tuple] = {}  # buffer -> (bucket, pooled base or None, divisor of its grads: N or 1)
         self._in_flight: deque = deque()
         self.in_flight_limit = buckets_in_flight(comm.strategy.reduce_scatter_by)
         self._pool = BucketPool(keep=self.in_flight_limit + 1)
@@ -329,15 +330,18 @@ class Reducer:
         self._armed, self._next, self._shards.since.armed = True, 0, True
         self._deferred = any(r is not self for r in ARMED)
         ARMED.add(self)
-        self._left, self._pending, self._placed = [0] * len(plan.sizes), set(), set()
-        params, accumulators = self._table().params, self._plans.accumulators
-        unreached = []
-        for i, (b, _, _) in plan.where.items():
-            if will_run(accumulators[i]):
-                self._left[b] += 1
-                self._pending.add(i)
-            else:
-                unreached.append(i)
+        params, (order, nodes, counts) = self._table().params, self._plans.reach
+        reached = will_run_each(nodes)
+        if all(reached):  # every planned param (a steady backward): nothing to count one by one
+            self._left, self._pending, self._placed, unreached = list(counts), set(order), set(), ()
+        else:
+            self._left, self._pending, self._placed, unreached = [0] * len(plan.sizes), set(), set(), []
+            for i, here in zip(order, reached):
+                if here:
+                    self._left[plan.where[i][0]] += 1
+                    self._pending.add(i)
+                else:
+                    unreached.append(i)
         if unreached and root is not None and self._reentrant_regions(root, unreached):
             for i in unreached:  # may still come, from a region's nested backward
                 self._left[plan.where[i][0]] += 1
@@ -367,7 +371,7 @@ class Reducer:
                     and g.dtype == spec.dtype and g.device == spec.device):
                 # The bucket is this one grad (a param above the cap, e.g. an embedding): reduce
                 # it in its own storage, which nothing else holds once p.grad lets go, not a copy.
-                self._filling[b] = (g.view(-1), None, False)
+                self._filling[b] = (g.view(-1), None, 1)
                 self._pool.count(g, None)
                 self._placed.add(i)
                 p.grad = None
@@ -375,9 +379,9 @@ class Reducer:
                 return
             self._bucket(b)
             held = self._filling[b]
-        slot, g = (held[0].as_strided(g.size(), g.stride(), held[0].storage_offset() + offset), g) if g.is_contiguous() \
-            else (held[0][offset : offset + numel], g.reshape(-1))  # as_strided: one call, not a slice and a reshape
-        n = self.comm.world_size if held[2] else 1  # divided as they come: early_divisor
+        bucket, _, n = held  # n: divided as they come (early_divisor)
+        slot, g = (bucket.as_strided(g.shape, g.stride(), bucket.storage_offset() + offset), g) if g.is_contiguous() \
+            else (bucket[offset : offset + numel], g.reshape(-1))  # as_strided: one call, not a slice and a reshape
         if i in self._placed:  # a second grad in one backward (nested backwards): summed as autograd would
             slot.add_(g if n == 1 else g / n)
         elif n == 1:
@@ -398,7 +402,8 @@ class Reducer:
             buf, base = self._pool.take(self._plan.sizes[b], plan.dtype, torch.device(plan.device))
             for a, z in self._plan.gaps[b]:
                 buf[a:z].zero_()
-            held = self._filling[b] = (buf, base, early_divisor(plan.dtype, self.comm.world_size) > 1)
+            divided = early_divisor(plan.dtype, self.comm.world_size) > 1
+            held = self._filling[b] = (buf, base, self.comm.world_size if divided else 1)
             self._pool.count(buf, base)
         return held[0]
 
@@ -425,7 +430,8 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         buf = self._bucket(b)
-        _, base, divided = self._filling.pop(b)
+        _, base, divisor = self._filling.pop(b)
+        divided = divisor > 1
         # a bucket, pooled or fresh ([Note: bucket pool]), holds old values where no grad came
         for s in self._plan.layout.buffers[b].slots:
             if s.index not in self._placed:
