@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._engine import grad_accumulator
+from .._engine import grad_accumulator, will_run_each
 from .._layout import Layout, plan_layout
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
@@ -117,13 +117,13 @@ class CurrentPlan:
         self._table, self._shard, self._world_size, self._rank = table, shard, world_size, rank
         self.plan: Plan | None = None
         self.accumulators: dict = {}  # param index -> its AccumulateGrad node
-        self.reach: tuple = ((), (), ())  # the planned params in ``where``'s order, their nodes, the count per bucket
+        self._order: tuple = ((), (), ())  # the planned params in ``where``'s order, their nodes, the count per bucket
         self._key = None  # (the specs, the cap) the plan follows
         self._quick = None  # (a cheap key of the table's params, the key it gave)
 
     def forget(self) -> None:
         """Plan again at the next :meth:`current` (a bind or unbind changes the module's order)."""
-        self._key, self.accumulators, self.reach = None, {}, ((), (), ())
+        self._key, self.accumulators, self._order = None, {}, ((), (), ())
 
     def current(self, module_ref, cap_bytes: int) -> tuple[Plan, bool]:
         """(the plan now, whether it was made anew). A plan whose build raises leaves this as it was."""
@@ -142,7 +142,23 @@ class CurrentPlan:
             counts = [0] * len(plan.sizes)
             for b, _, _ in plan.where.values():
                 counts[b] += 1
-            self.reach = (tuple(plan.where), tuple(accumulators.values()), tuple(counts))
+            self._order = (tuple(plan.where), tuple(accumulators.values()), tuple(counts))
         self._quick = (quick, self._key)
         return self.plan, changed
+
+    def reach(self) -> tuple[list[int], set[int], list[int]]:
+        """What the running backward will reach of :attr:`plan` (as :meth:`current` last found it): per bucket,
+        how many of its params; the params it will reach; those it will not. Only inside a backward pass."""
+        order, nodes, counts = self._order
+        reached = will_run_each(nodes)
+        if all(reached):  # a steady backward: every planned param, nothing to count one by one
+            return list(counts), set(order), []
+        left, pending, unreached, where = [0] * len(counts), set(), [], self.plan.where
+        for i, here in zip(order, reached):
+            if here:
+                left[where[i][0]] += 1
+                pending.add(i)
+            else:
+                unreached.append(i)
+        return left, pending, unreached
 

@@ -121,7 +121,6 @@ from .._binding import Binding, claimants
 from .._comm import Comm, early_divisor
 from .._engine import (
     accumulates, graph_task_id, in_functorch, queue_end_of_backward, reentrant_region_below, tree_tensors,
-    will_run_each,
 )
 from .buffers import ReceivedBuffers, broadcast_at_bind
 from .grads import ShardedGrads, Shards, unscale
@@ -330,18 +329,8 @@ class Reducer:
         self._armed, self._next, self._shards.since.armed = True, 0, True
         self._deferred = any(r is not self for r in ARMED)
         ARMED.add(self)
-        params, (order, nodes, counts) = self._table().params, self._plans.reach
-        reached = will_run_each(nodes)
-        if all(reached):  # every planned param (a steady backward): nothing to count one by one
-            self._left, self._pending, self._placed, unreached = list(counts), set(order), set(), ()
-        else:
-            self._left, self._pending, self._placed, unreached = [0] * len(plan.sizes), set(), set(), []
-            for i, here in zip(order, reached):
-                if here:
-                    self._left[plan.where[i][0]] += 1
-                    self._pending.add(i)
-                else:
-                    unreached.append(i)
+        params, self._placed = self._table().params, set()
+        self._left, self._pending, unreached = self._plans.reach()
         if unreached and root is not None and self._reentrant_regions(root, unreached):
             for i in unreached:  # may still come, from a region's nested backward
                 self._left[plan.where[i][0]] += 1
