@@ -337,20 +337,11 @@ class Partition:
             for i, chunk in enumerate(chunks):
                 with _labelled("grads"):
                     scratch, used = self._scratch_for(chunk), {}
-                    member = self._runs.member
-                    run_grads: dict[int, list] = {}  # run -> its members' grads
-                    for lp in chunk:
-                        in_run = member.get(id(lp)) if member else None
-                        if in_run is not None:  # its run takes one grad (below): the span of its params' grads
-                            r, k = in_run
-                            if grad_of is not None:
-                                run_grads.setdefault(r, None)
-                                continue
-                            of_run = run_grads.get(r)
-                            if of_run is None:
-                                of_run = run_grads[r] = [None] * self._runs.size(r)
-                            of_run[k] = lp.param.grad
-                            continue
+                    loose, in_runs = self._runs.sort(chunk) if self._runs.member else (chunk, ())
+                    # each run takes one grad (below): the span of its params' grads
+                    run_grads = ({r: [None if lp is None else lp.param.grad for lp in lps] for r, lps in in_runs}
+                                 if grad_of is None else {r: self._runs.span_grad(r, grad_of) for r, _ in in_runs})
+                    for lp in loose:
                         if grad_of is None:
                             g = lp.param.grad
                             if g is not None and flat:  # ravel: the cheapest flattening, a view wherever reshape(-1) is one
@@ -367,19 +358,15 @@ class Partition:
                             lp.master.set_grad(g, None if g is None else scratch[d][at : at + n])
                         else:  # a float32 stage-2 shard of a 16-bit param stepped without a master: rounded once
                             lp.tensor.grad = g if g is None or g.dtype == lp.tensor.dtype else g.to(lp.tensor.dtype)
-                    if grad_of is not None:
-                        for r in run_grads:
-                            run_grads[r] = self._runs.span_grad(r, grad_of)
                     given = self._runs.give_grads(run_grads, self.inner) if run_grads else ()
                 with _labelled("step"):
                     out = step_inner(**kwargs)
                 loss = out if loss is None else loss
                 with _labelled("round"):
-                    for lp in chunk:
+                    for lp in loose:  # a run's pieces got no grad (its run did), nor have they a master
                         if lp.master is not None and lp.tensor.grad is not None:
                             lp.master.write_back()
-                        if not member or id(lp) not in member:  # a run's pieces got no grad: its run did
-                            lp.tensor.grad = None
+                        lp.tensor.grad = None
                     for t in given:
                         t.grad = None
                 if buffer_done is not None and i + 1 < len(chunks):

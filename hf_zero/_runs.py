@@ -186,18 +186,32 @@ class Runs:
         self._tensors = tuple(p.tensor for p in pieces)  # each piece's tensor, by position
         self._ids = tuple(map(id, pieces))
         self.member = {self._ids[m]: (r, k) for r, run in self._live.items() for k, m in enumerate(run.members)}
-        # each run's pieces' layout pieces (``piece.piece``), for a grad that comes as one span of them
+        # each run's pieces' layout pieces (``piece.piece``) and their params, for a grad that comes as one span
         self._spans = {r: tuple(pieces[m].piece for m in run.members) for r, run in self._live.items()}
+        self._params = {r: frozenset(pc.index for pc in span) for r, span in self._spans.items()}
+        self._sorted: dict[int, tuple] = {}  # see sort
 
-    def size(self, r: int) -> int:
-        return len(self._live[r].members)
+    def sort(self, chunk: tuple) -> tuple[tuple, tuple]:
+        """``chunk`` (a tuple of pieces, kept by its owner) as (its pieces in no run, and per run some of its
+        pieces are in: the run and its members' pieces, None for any not in ``chunk``), kept while no run splits."""
+        kept = self._sorted.get(id(chunk))
+        if kept is None or kept[0] is not chunk:
+            loose, runs = [], {}
+            for lp in chunk:
+                at = self.member.get(id(lp))
+                if at is None:
+                    loose.append(lp)
+                else:
+                    runs.setdefault(at[0], [None] * len(self._live[at[0]].members))[at[1]] = lp
+            kept = self._sorted[id(chunk)] = (chunk, (tuple(loose), tuple((r, tuple(m)) for r, m in runs.items())))
+        return kept[1]
 
     def span_grad(self, r: int, grad_of):
         """Run ``r``'s grad from stage 2's shards (``grad_of``: ``grad_of(piece)``, ``grad_of.span(pieces)``): one
         span of them, in the run's dtype; where some of its params have a grad and others none, its members'
         grads (for :meth:`give_grads`, which splits it)."""
         pieces, dtype = self._spans[r], self._live[r].tensor.dtype
-        grad = grad_of.span(pieces)
+        grad = grad_of.span(pieces, self._params[r])
         if grad is False:
             return _Split(g if g is None else g.to(dtype) for g in map(grad_of, pieces))
         return grad if grad is None or grad.dtype == dtype else grad.to(dtype)
@@ -237,7 +251,8 @@ class Runs:
             group["params"] = [x for t in group["params"] for x in (tensors if t is run.tensor else (t,))]
         for m in run.members:
             del self.member[self._ids[m]]
-        del self._spans[r]
+        del self._spans[r], self._params[r]
+        self._sorted.clear()
 
     def split_all(self, optimizer) -> None:
         for r in list(self._live):

@@ -130,16 +130,15 @@ class ShardedGrads:
         start = piece.offset - self._plan.owned[piece.buffer][0]
         return shard[start : start + piece.numel]
 
-    def span(self, pieces) -> torch.Tensor | bool | None:
+    def span(self, pieces, params: frozenset) -> torch.Tensor | bool | None:
         """One 1-D slice of the shard for ``pieces``, back to back in one buffer (a run's: [Note: runs] in
-        _runs.py), where some rank had a grad for each of their params; None where for none; False where for
-        some only."""
-        if self._since.agreed is None:
-            raise RuntimeError("hf_zero: ShardedGrads read before the ranks agreed on which params have grads")
+        _runs.py), where some rank had a grad for each of their ``params`` (their indices); None where for none;
+        False where for some only."""
         agreed = self._since.agreed
-        present = sum(pc.index in agreed for pc in pieces)
-        if present < len(pieces):
-            return False if present else None
+        if agreed is None:
+            raise RuntimeError("hf_zero: ShardedGrads read before the ranks agreed on which params have grads")
+        if not params <= agreed:
+            return None if params.isdisjoint(agreed) else False
         first, last = pieces[0], pieces[-1]
         head = self.held(first)
         if head is None:
