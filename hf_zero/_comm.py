@@ -416,10 +416,11 @@ class Comm:
         agreement = self.start_agreement(fingerprint, flag)
         return agreement.same, agreement.anyone
 
-    def start_agreement(self, fingerprint: int, flag: bool, payload: torch.Tensor | None = None) -> "Agreement":
-        """Start comparing ``fingerprint`` and ``flag`` across ranks, a ``payload`` (int64, 1-D) MAX-reduced along;
-        read the :class:`Agreement` when it is due."""
-        return Agreement(self, fingerprint, flag, payload)
+    def start_agreement(self, fingerprint: int, flag: bool, payload: torch.Tensor | None = None, *,
+                        extra: bool = False) -> "Agreement":
+        """Start comparing ``fingerprint`` and ``flag`` across ranks, a second flag ``extra`` and a ``payload``
+        (int64, 1-D) MAX-reduced along; read the :class:`Agreement` when it is due."""
+        return Agreement(self, fingerprint, flag, payload, extra=extra)
 
     def all_gather_object(self, obj: Any) -> list:
         """Small metadata only (rebuilds, errors): pickled."""
@@ -448,28 +449,31 @@ class Comm:
 
 
 class Agreement:
-    """A comparison of a 62-bit fingerprint and a flag across ranks: one MAX all-reduce of four int64s
-    (x, -x, the flag, -the flag), started when made, read with :attr:`same`, :attr:`anyone`, :attr:`everyone`.
+    """A comparison of a 62-bit fingerprint and a flag across ranks: one MAX all-reduce of six int64s
+    (x, -x, the flag, -the flag, a second flag, -it), started when made, read with :attr:`same`, :attr:`anyone`,
+    :attr:`everyone` and :attr:`extra`.
 
     [Note: reading an agreement late]
     Reading a collective's result on the host waits for everything queued before it: on an accelerator, the
     whole step's kernels. So a steady step does not read its agreement where it starts it:
 
-    - on the CPU (gloo): at the end of the step, once the step's own collectives were waited for; by then the
-      all-reduce, started before them, has completed on every rank, and reading it waits for nothing;
-    - an accelerator: :meth:`settle` (at the end of the step) queues a copy of the result into pinned host
-      memory behind the all-reduce and records an event; the result is read at the start of the next step,
-      after that event, which completed long before.
+    - on the CPU (gloo): at the end of the step, once the step's own collectives were waited for (stage 2: at
+      the start of the step, the check having started with the backward); by then the all-reduce, started
+      before them, has completed on every rank, and reading it waits for nothing;
+    - an accelerator: :meth:`settle` (when the agreement starts) queues a copy of the result into pinned host
+      memory on a side stream that waits for the all-reduce alone, and records an event there; the result is read
+      after that event, which the queued compute does not delay.
 
     The values are read through a ``ctypes`` view of the host memory, made once per buffer: its reads are plain
     memory reads, which nothing queued can delay (a read of a ``torch.Tensor``'s value is what
     tests/test_hostpath.py counts: on an accelerator, each one waits)."""
 
-    def __init__(self, comm: Comm, fingerprint: int, flag: bool, payload: torch.Tensor | None = None):
+    def __init__(self, comm: Comm, fingerprint: int, flag: bool, payload: torch.Tensor | None = None, *,
+                 extra: bool = False):
         self._values: tuple[int, ...] | None = None
         self._event = None
         self._cpu = comm.device.type == "cpu"
-        values = (fingerprint, -fingerprint, int(flag), -int(flag))
+        values = (fingerprint, -fingerprint, int(flag), -int(flag), int(extra), -int(extra))
         self._payload, self._tensor = payload, None
         if comm.world_size == 1:
             self._values = values
@@ -481,21 +485,22 @@ class Agreement:
         view[:] = values
         if self._cpu:
             self._tensor = host if payload is None else torch.cat([host, payload])
-            self._view = view if payload is None else (ctypes.c_int64 * 4).from_address(self._tensor.data_ptr())
+            self._view = view if payload is None else (ctypes.c_int64 * _HEAD).from_address(self._tensor.data_ptr())
         else:
             head = host.to(comm.device, non_blocking=True)
             self._tensor = head if payload is None else torch.cat([head, payload])
             self._host, self._view = _host_slot(comm, 1)
         with _named("the cross-rank layout agreement check", comm.rank):
             work = dist.all_reduce(self._tensor, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
-        self._pending = comm._pending([work], "the cross-rank layout agreement check")
+        self._pending, self._work = comm._pending([work], "the cross-rank layout agreement check"), work
+        self.settle()
 
     def payload(self) -> torch.Tensor:
         """The ``payload`` (int64, 1-D) MAX-reduced over ranks (on the device: nothing is read on the host)."""
         if self._tensor is None:  # world size 1
             return self._payload
         self._pending.wait()
-        return self._tensor[4:]
+        return self._tensor[_HEAD:]
 
     def wait(self) -> None:
         """Wait for the all-reduce (nothing is read)."""
@@ -503,12 +508,16 @@ class Agreement:
             self._pending.wait()
 
     def settle(self) -> None:
-        """The step's collectives were waited for: on an accelerator, queue the result's copy to the host."""
+        """On an accelerator, queue the result's copy to the host on a side stream that waits for the all-reduce
+        only (the compute queued meanwhile does not delay reading it)."""
         if self._values is None and not self._cpu and self._event is None:
-            self._pending.wait()  # the stream waits; the host does not
-            self._host.copy_(self._tensor[:4], non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
+            side = _side_stream(self._tensor.device)
+            with torch.cuda.stream(side):
+                self._work.wait()  # the side stream waits; the host does not (nor, until payload(), the step's)
+                self._tensor.record_stream(side)
+                self._host.copy_(self._tensor[:_HEAD], non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(side)
 
     def _read(self) -> tuple[int, ...]:
         if self._values is None:
@@ -536,13 +545,32 @@ class Agreement:
         """Every rank passed the flag."""
         return self._read()[3] == -1
 
+    @property
+    def extra(self) -> bool:
+        """Some rank passed the second flag."""
+        return bool(self._read()[4])
+
+
+_HEAD = 6  # the int64s an Agreement compares, before its payload
+
 
 def _host_slot(comm: Comm, slot: int):
-    """Four int64s of host memory (pinned for an accelerator) and a ctypes view of them, made once per ``comm``."""
+    """An Agreement's int64s in host memory (pinned for an accelerator) and a ctypes view of them, made once per
+    ``comm``."""
     if slot not in comm._agreement_slots:
-        host = torch.zeros(4, dtype=torch.int64, pin_memory=comm.device.type == "cuda")
-        comm._agreement_slots[slot] = (host, (ctypes.c_int64 * 4).from_address(host.data_ptr()))
+        host = torch.zeros(_HEAD, dtype=torch.int64, pin_memory=comm.device.type == "cuda")
+        comm._agreement_slots[slot] = (host, (ctypes.c_int64 * _HEAD).from_address(host.data_ptr()))
     return comm._agreement_slots[slot]
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """The stream an accelerator's agreement results are copied to the host on (one per device)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 _CPU = torch.device("cpu")

@@ -38,11 +38,12 @@ class GradientPath:
     table and current layout; ``grad_reduce`` / ``overlap_param_sync``: its constructor's.
     ``stage``: 1, DDP reduces (through the comm hook when reduce-scattering); 2, hf_zero's
     own reducer (the ``_stage2`` package), bound to the model with :meth:`bind_module`; ``accumulate_dtype``: its
-    shards' (``_stage2.accumulate_dtype``)."""
+    shards' (``_stage2.accumulate_dtype``); ``check``: the optimizer's layout check at a syncing backward's start
+    (``_stage2.Reducer``'s, held weakly)."""
 
     def __init__(self, comm: Comm, *, facts: Callable[[], tuple], grad_reduce: str,
                  overlap_param_sync: bool | None, bucket_view: bool, stage: int = 1, shard: str = "flat",
-                 accumulate_dtype: torch.dtype | None = None):
+                 accumulate_dtype: torch.dtype | None = None, check: Callable | None = None):
         self.comm = comm
         self.grad_reduce = "reduce_scatter" if stage == 2 else grad_reduce
         self._facts = weakref.WeakMethod(facts)  # () -> (ParamTable, current Layout or None)
@@ -53,7 +54,8 @@ class GradientPath:
         self.reducer: _scatter_hook.BucketReducer | None = None
         self.overlap: ParamSyncOverlap | None = None
         self.stage = stage
-        self.stage2 = _stage2.Reducer(comm, self._table, shard, accumulate_dtype) if stage == 2 else None
+        self.stage2 = _stage2.Reducer(comm, self._table, shard, accumulate_dtype,
+                                      check=_held_weakly(check)) if stage == 2 else None
         self.ddp_bucket_view: bool | None = None  # the bound DDP's gradient_as_bucket_view (None: none bound)
         # every hook and attribute on the user's module ([Note: a binding ends with its run]); a newer
         # binding over the same params unbinds it ([Note: a newer binding takes over] in _binding.py)
@@ -172,10 +174,7 @@ class GradientPath:
         if grads is None:
             return None
         if grads.pieces and not self._same_layout(grads.layout):
-            raise RuntimeError(
-                "hf_zero stage 2: the trainable params (or their shapes) changed between the backward and "
-                "optimizer.step(): change requires_grad only right after step() or zero_grad()"
-            )
+            raise changed_since_backward()
         return grads.agree(carried)
 
     def _same_layout(self, reduced_into: Layout) -> bool:
@@ -310,6 +309,27 @@ class GradientPath:
                 self.grad_reduce = "all_reduce"
         if self.reducer is not None:
             self.reducer.agree_on_finite = grad_scaler
+
+
+def changed_since_backward() -> RuntimeError:
+    """Stage 2's error for a trainable set (or shapes) changed between the backward and the step."""
+    return RuntimeError(
+        "hf_zero stage 2: the trainable params (or their shapes) changed between the backward and "
+        "optimizer.step(): change requires_grad only right after step() or zero_grad()"
+    )
+
+
+def _held_weakly(method: Callable | None) -> Callable | None:
+    """``method`` (a bound method) through a weak reference; once its object is gone, calls return False."""
+    if method is None:
+        return None
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        live = ref()
+        return False if live is None else live(*args)
+
+    return call
 
 
 def reads_full_grads_after_step(module: torch.nn.Module) -> str | None:

@@ -24,7 +24,7 @@ from ._grads import average_grads
 from ._layout import Layout, is_elementwise, plan_layout
 from ._ledger import CATEGORIES, MemoryLedger, Peaks, storage_bytes
 from ._lifecycle import StateLifecycle
-from ._gradpath import GRAD_REDUCE, GradientPath
+from ._gradpath import GRAD_REDUCE, GradientPath, changed_since_backward
 from ._masters import check_choice
 from ._params import LayoutCheck, ParamTable, check_params
 from ._partition import Partition, all_holdings, rebuild
@@ -216,7 +216,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
         self._peaks = Peaks(_memory_now)  # [Note: memory ledger]
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
                                   shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view,
-                                  accumulate_dtype=accumulate)
+                                  accumulate_dtype=accumulate, check=self._check_at_backward)
         weakref.finalize(self, _collected, self._grad.binding, self._comm).atexit = False
         self._ready = True
 
@@ -267,6 +267,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
     def _gradient_facts(self) -> tuple[ParamTable, Layout | None]:
         return self._table, getattr(self._live(), "layout", None)
 
+    def _check_at_backward(self, presence: torch.Tensor, uncertain: bool) -> bool | None:
+        return _check_at_backward(self, presence, uncertain)  # a method: the reducer holds it weakly
+
     # -- step ----------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any):
@@ -281,10 +284,11 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
                 loss = closure()
         elif closure is not None:
             kwargs = {"closure": closure, **kwargs}
+        checked = self._check.read_backwards(self._comm, self._table)  # [Note: the check at a backward]
         grads = self._grad.sharded_grads()  # checked before any collective: [Note: a forward without its backward]
         self._peaks.observe_step(self)  # the grads whole (or sharded), before the step frees them
         self.wait_param_sync()
-        self._ensure_partition(force=False, blocking=False, payload=None if grads is None else grads.presence_flags())
+        _partition_for_step(self, grads, checked)
         if self.overlaps_param_sync:
             self._check.before_overlapped_sync(self._comm)
         local_loss = _step_pieces(self, kwargs, grads)
@@ -305,7 +309,7 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
         self._ensure_partition(force=True)
 
     def ensure_partition(self) -> None:
-        """Rebuild on every rank if any rank's trainability changed: one 32-byte all-reduce, read at once. Collective."""
+        """Rebuild on every rank if any rank's trainability changed: one 48-byte all-reduce, read at once. Collective."""
         self._ensure_partition(force=False)
 
     def _ensure_partition(self, force: bool, blocking: bool = True, payload: torch.Tensor | None = None) -> None:
@@ -555,17 +559,45 @@ def _clip_args(opt: ZeroBucketOptimizer, parameters, what: str) -> tuple[set[int
     return chosen, pieces, opt._grad.partial_grads, sharded
 
 
+def _check_at_backward(opt: ZeroBucketOptimizer, presence: torch.Tensor, uncertain: bool) -> bool | None:
+    """Stage 2's layout check as a syncing backward starts ([Note: the check at a backward] in _params.py);
+    ``presence``: this rank's presence flags as the backward will leave them (int64), ``uncertain``: where
+    they may name a param whose grad never comes. Returns what :meth:`LayoutCheck.at_backward_start` does.
+    Collective."""
+    opt._lifecycle.check_pending()
+    live, mask = opt._live(), opt._table.mask()
+    intact = opt._partition is not None and opt._partition.views_intact(opt._table.params)
+    need = live is None or mask != live.mask or live.layout.buckets != opt._grad.wanted_buckets
+    return opt._check.at_backward_start(opt._comm, opt._table, (mask, live is None), need=need,
+                                        fresh=not intact, payload=presence, uncertain=uncertain)
+
+
+def _partition_for_step(opt: ZeroBucketOptimizer, grads, checked: bool) -> None:
+    """Re-partition where the ranks agreed to: as stage 2's backwards found (``checked``: [Note: the check at
+    a backward] in _params.py), or by the step's own check (stage 1, or a load since the backward)."""
+    if checked:
+        mask, reload_due = opt._check.at_backward
+        if opt._table.mask() != mask:
+            raise changed_since_backward()  # no collective: one that no other rank makes would never return
+        if (opt._live() is None) == reload_due:
+            opt._lifecycle.check_pending()
+            if opt._check.due or not (opt._partition is None or opt._partition.views_intact(opt._table.params)):
+                opt._rebuild()
+            return
+    opt._ensure_partition(force=False, blocking=False, payload=None if grads is None else grads.presence_flags())
+
+
 def _step_pieces(opt: ZeroBucketOptimizer, kwargs: dict, grads) -> Any:
     """The local step and the parameter sync; a rank that is mirroring ([Note: the layout check]) takes the
     step's collectives only."""
     if opt._check.mirroring:
-        opt._grad.for_step(grads, opt._check.carried)
+        opt._grad.for_step(grads, opt._check.presence())
         opt._partition.sync(opt._comm, opt._table.params, opt._grad.overlap)
         return None
     if not opt._iteration.grads_averaged:
         opt.average_unreduced_grads()
     return opt._partition.step_and_sync(opt.param_groups, kwargs, opt._comm, opt._table.params, opt._grad.overlap,
-                                        opt._grad.for_step(grads, opt._check.carried))
+                                        opt._grad.for_step(grads, opt._check.presence()))
 
 
 def _check_agreement(opt: ZeroBucketOptimizer) -> None:

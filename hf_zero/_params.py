@@ -181,25 +181,49 @@ class LayoutCheck:
     is steady and steps with the current layout: the changed ranks *mirror* it, taking the step's collectives
     (the parameter sync) without stepping their own pieces, and at the read point every rank raises the same
     error naming what differs. Params whose storage was replaced but still match the agreed fingerprint are
-    re-viewed on their rank alone: a rebuild with an unchanged layout moves nothing between ranks."""
+    re-viewed on their rank alone: a rebuild with an unchanged layout moves nothing between ranks.
+
+    [Note: the check at a backward]
+    Under stage 2 the first collectives after a change are the backward's reduce-scatters, whose buckets follow
+    each rank's trainable set: a rank that froze a param alone would send buckets the others do not expect, and
+    every rank would wait on a message that never comes. So stage 2 makes the check as each syncing backward
+    starts, before its first reduce-scatter (``Reducer._begin``), not at the step. A steady rank starts it and
+    goes on; a changed rank reads it at once and, unless every rank changed alike, *mirrors* the plan last
+    agreed: it reduces the buckets the others reduce (a param frozen since adds zeros, one unfrozen since is
+    dropped), so no collective is left unmatched. Every rank reads the check at the start of the step, where its
+    all-reduce has long completed, and raises the same error there, before anything changes. Where every rank
+    changed alike, the backward reduces with the new plan and the step re-partitions (:attr:`due`).
+
+    The check also carries the presence flags the step needs ([Note: agreeing on presence] in
+    _stage2/grads.py), as the backward will leave them: the params it will reach (``will_run``), those with a
+    grad from ``no_sync()`` and those with one since the step. Only a reentrant checkpoint region makes that
+    guess uncertain (its params may or may not come): the check's second flag says so, and the step agrees on
+    presence itself. A grad this rank drops after the backward (``p.grad = None``) leaves its presence on this
+    rank only."""
 
     def __init__(self):
         self._late = None  # (the Agreement of the last step not read yet, whether this rank needed)
         self._agreed: int | None = None  # the fingerprint the ranks last agreed on
         self.mirroring = False  # this rank found the ranks disagreeing: see the note
         self.carried = None  # the last begin's payload, reduced: a callable
+        self._uncertain = None  # the last begin's Agreement, whose second flag says the payload may be too wide
+        self.at_backward: tuple | None = None  # the state a backward's check ran with since the step
+        self.due = False  # a backward's check found every rank re-partitioning: the step does
 
     def begin(self, comm, table: ParamTable, mask: tuple[bool, ...], *, need: bool, fresh: bool,
-              blocking: bool, payload=None) -> bool:
+              blocking: bool, payload=None, uncertain: bool | None = None) -> bool:
         """Start this step's check; returns whether every rank re-partitions now. ``need``: this rank must
         (before the fingerprint is compared); ``blocking``: every rank reads now (not a step: ``ensure_partition``);
-        ``mask``: ``table.mask()``; ``payload``: an int64 tensor MAX-reduced along (:attr:`carried` gives it).
+        ``mask``: ``table.mask()``; ``payload``: an int64 tensor MAX-reduced along (:attr:`carried` gives it);
+        ``uncertain`` (a backward's check, on every rank): whether this rank's payload may hold more than it
+        should (where any rank's may, :meth:`presence` gives None).
         Collective."""
         self.read_late(comm, table)
         fp = table.fingerprint(mask, fresh=fresh)
         need = need or fp != self._agreed
-        agreement = comm.start_agreement(fp, need, payload)
+        agreement = comm.start_agreement(fp, need, payload, extra=bool(uncertain))
         self.carried = None if payload is None else agreement.payload
+        self._uncertain = agreement if uncertain is not None else None
         if not (need or blocking):
             self._late = (agreement, False)
             return False
@@ -212,6 +236,31 @@ class LayoutCheck:
         self._late, self.mirroring = (agreement, True), True
         return False
 
+    def at_backward_start(self, comm, table: ParamTable, state: tuple, *, need: bool, fresh: bool,
+                          payload, uncertain: bool) -> bool | None:
+        """Stage 2: a syncing backward starts, before its first reduce-scatter; see [Note: the check at a
+        backward]. ``state``: (``table.mask()``, whether the partition must be rebuilt from a load), which the
+        step compares with its own. Returns True where every rank re-partitions (at the step), False where this
+        backward reduces with the plan it has, None where this rank must mirror the plan last agreed. Collective."""
+        everyone = self.begin(comm, table, state[0], need=need, fresh=fresh, blocking=False, payload=payload,
+                              uncertain=uncertain)
+        self.at_backward, self.due = state, self.due or everyone
+        return None if self.mirroring else everyone
+
+    def presence(self):
+        """The last check's payload reduced (a callable), or None where some rank's payload was uncertain."""
+        if self.carried is None or (self._uncertain is not None and self._uncertain.extra):
+            return None
+        return self.carried
+
+    def read_backwards(self, comm, table: ParamTable) -> bool:
+        """At the start of a step: whether stage 2's backwards checked since the last step; if so, read their
+        check, raising on every rank where the ranks disagreed. Collective only then."""
+        if self.at_backward is None:
+            return False
+        self.read_late(comm, table)
+        return True
+
     def before_overlapped_sync(self, comm) -> None:
         """On the CPU, before a sync the step does not wait for: let the check's all-reduce complete first
         (no value is read), so that a peer that dies or stops in that sync leaves no all-reduce running,
@@ -223,6 +272,7 @@ class LayoutCheck:
         """The step ended (``synced``: its collectives were waited for, not left to an overlapped parameter
         sync): read the check (CPU, synced) or queue its copy to the host (an accelerator); otherwise the next
         step reads it, after waiting for the sync."""
+        self.at_backward, self.due = None, False  # the grads of the backwards checked are consumed
         if self._late is None:
             return
         if comm.device.type != "cpu":

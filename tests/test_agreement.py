@@ -7,35 +7,58 @@ import hf_zero
 from tests._dist import run_ranks
 
 
-def _disagree(rank, world_size, when):
+def _disagree(rank, world_size, when, stage, change, micro_batches):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=0.1)
+    if change == "unfreeze":
+        model[0].weight.requires_grad_(False)
+    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=0.1, stage=stage)
+    if stage == 2:
+        opt.bind_module(model)
+    before = None
     for step in range(3):
-        if step == when and rank == 1:
-            model[0].weight.requires_grad_(False)  # only rank 1 freezes
-        model(torch.ones(3, 4)).sum().backward()
-        try:
+        try:  # stage 2 raises in the backward where every rank changed since the last step (the first)
+            for micro in range(micro_batches):
+                if (step, micro) == when and rank == 1:
+                    model[0].weight.requires_grad_(change == "unfreeze")  # rank 1 alone
+                if (step, micro) == when:
+                    before = [p.detach().clone() for p in model.parameters()]
+                model(torch.ones(3, 4)).sum().backward()
             opt.step()
         except RuntimeError as e:
-            return step, str(e)
+            unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            return step, str(e), unchanged
         opt.zero_grad()
     return None
 
 
-@pytest.mark.reliability("Only rank 1 freezes a layer (at step {when})", "every rank raises the same RuntimeError naming the param, within seconds, no hang")
+@pytest.mark.reliability("Only rank 1 freezes a layer (at step {when}, stage {stage})", "every rank raises the same RuntimeError naming the param, within seconds, no hang")
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("when", [0, 2])
-def test_one_rank_freezing_alone_fails_on_every_rank(when):
+@pytest.mark.parametrize("stage,when", [(1, 0), (1, 2), (2, 0), (2, 2)])
+def test_one_rank_freezing_alone_fails_on_every_rank(stage, when):
     # A hang would last until the collective timeout; run_ranks fails the test at 45 s (spawn
     # included, on a loaded 2-core machine the spawn alone can take 20 s).
-    results = run_ranks(_disagree, 2, when, timeout=45)
+    results = run_ranks(_disagree, 2, (when, 0), stage, "freeze", 1, timeout=45)
     assert results[0] == results[1], results
-    step, message = results[0]
+    step, message, unchanged = results[0]
     assert step == when
     assert "ranks disagree on parameter 0.weight" in message
     assert "rank 0: shape=(4, 4), dtype=torch.float32, device=cpu, requires_grad=True" in message
     assert "rank 1: shape=(4, 4), dtype=torch.float32, device=cpu, requires_grad=False" in message
+    if stage == 2:  # the step's check comes before the step changes anything
+        assert unchanged
+
+
+@pytest.mark.reliability("Under stage 2, only rank 1 {change}s a layer, between steps or between two micro-batches", "every rank raises the same RuntimeError naming the param before the step changes anything, no hang")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change,when", [("unfreeze", (1, 0)), ("freeze", (1, 1)), ("unfreeze", (1, 1))])
+def test_stage2_one_rank_changing_alone_fails_on_every_rank(change, when):
+    results = run_ranks(_disagree, 2, when, 2, change, 2, timeout=45)
+    assert results[0] == results[1], results
+    step, message, unchanged = results[0]
+    assert step == when[0] and unchanged
+    assert "ranks disagree on parameter 0.weight" in message
+    assert f"rank 1: shape=(4, 4), dtype=torch.float32, device=cpu, requires_grad={change == 'unfreeze'}" in message
 
 
 def _disagree_before_checkpoint(rank, world_size, op, directory):

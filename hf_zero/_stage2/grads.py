@@ -44,6 +44,7 @@ class SinceStep:
         self.touched: set[int] = set()
         self.agreed = agreed
         self.forwarded = self.armed = False
+        self.dropped: set[int] = set()  # params whose grad this rank dropped since the last backward's check
 
     def check_answered(self) -> None:
         """[Note: a forward without its backward] Raise if no backward went through the bound module's
@@ -64,11 +65,23 @@ class SinceStep:
         positive exactly where some rank had a grad. Where every param of ``plan`` had one here (a steady
         step), a copy of flags made once, on the device: nothing is copied from the host."""
         if self.full(plan):
-            key = (id(plan), count, dtype, str(device))
-            if _FULL[0] is None or _FULL[0][0] != key:
-                _FULL[0] = (key, plan, _flags_of(sorted(self.touched), count, dtype, device))
-            return _FULL[0][2].clone()
+            return self._full(count, dtype, device, plan).clone()
         return _flags_of(sorted(self.touched), count, dtype, device)
+
+    def coming(self, coming: set[int], count: int, device, plan: Plan) -> torch.Tensor:
+        """The int64 presence flags this rank will have once a backward whose grads ``coming`` arrive ends (what
+        its check carries: [Note: the check at a backward] in _params.py). A steady backward's (every param of
+        ``plan``) are made once, on the device."""
+        self.dropped = set()
+        if len(coming) == len(plan.where):
+            return self._full(count, torch.int64, device, plan)
+        return _flags_of(sorted(self.touched | coming), count, torch.int64, device)
+
+    def _full(self, count: int, dtype: torch.dtype, device, plan: Plan) -> torch.Tensor:
+        key = (id(plan), count, dtype, str(device))
+        if _FULL[0] is None or _FULL[0][0] != key:
+            _FULL[0] = (key, plan, _flags_of(sorted(plan.where), count, dtype, device))
+        return _FULL[0][2]
 
     def full(self, plan: Plan) -> bool:
         """Whether every param of ``plan`` had a grad on this rank (then some rank had each, no rank any
@@ -81,11 +94,12 @@ class SinceStep:
         if self.full(plan):
             self.agreed = frozenset(self.touched)
         else:
-            self.agreed = frozenset((reduced > 0).nonzero().flatten().tolist())
+            self.agreed = frozenset((reduced > 0).nonzero().flatten().tolist()) - self.dropped
 
     def drop(self, i: int) -> None:
         """Param ``i`` has no grad since the step (on this rank; agreed ones too)."""
         self.touched.discard(i)
+        self.dropped.add(i)
         if self.agreed is not None:
             self.agreed = self.agreed - {i}
 

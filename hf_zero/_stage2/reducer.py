@@ -137,9 +137,11 @@ class Reducer:
     """See [Note: stage 2 reducer]. ``table``: a callable returning the optimizer's ParamTable (held weakly
     by the caller); ``shard``: its shard mode; ``accumulate_dtype``: see :func:`shard_dtype`."""
 
-    def __init__(self, comm: Comm, table, shard: str, accumulate_dtype: torch.dtype | None = None):
+    def __init__(self, comm: Comm, table, shard: str, accumulate_dtype: torch.dtype | None = None, check=None):
         self.comm, self.accumulate_dtype = comm, accumulate_dtype
         self._table = table
+        self._check = check  # the optimizer's layout check as a syncing backward starts (None: no check)
+        self._agreed_plan: Plan | None = None  # the plan of the last backward whose check found the ranks agreeing
         self._shard = shard
         self.cap_bytes = int(DEFAULT_BUCKET_CAP_MB * (1 << 20))
         self.module_ref = None
@@ -319,26 +321,24 @@ class Reducer:
         self.settle(clear=True)
         if self._unscaled:  # unscaled, then no step (GradScaler skipped it on an inf): these grads are spent
             self.step_taken()
-        plan = self._current_plan()
-        if self._shards.written and self._shards.plan is not plan:
-            raise RuntimeError(
-                "hf_zero stage 2: the trainable params (or their shapes) changed between two backwards "
-                "of one gradient accumulation: change requires_grad only right after optimizer.step() "
-                "or zero_grad()"
-            )
+        plan, params = self._current_plan(), self._table().params
+        left, pending, unreached = self._plans.reach()
+        regions = bool(unreached) and root is not None and self._reentrant_regions(root, unreached)
+        held = [] if regions else [i for i in unreached if params[i].grad is not None]  # accumulated under no_sync()
+        mirror = _check_plan(self, plan, pending.union(held), regions)
+        if mirror is not None:  # this rank changed alone: [Note: the check at a backward] in _params.py
+            self._plan = plan = mirror
+            left, pending, regions, held = [0] * len(plan.sizes), set(), False, []
         self._armed, self._next, self._shards.since.armed = True, 0, True
-        self._deferred = any(r is not self for r in ARMED)
+        self._deferred = mirror is not None or any(r is not self for r in ARMED)
         ARMED.add(self)
-        params, self._placed = self._table().params, set()
-        self._left, self._pending, unreached = self._plans.reach()
-        if unreached and root is not None and self._reentrant_regions(root, unreached):
+        self._placed, self._left, self._pending = set(), left, pending
+        if regions:
             for i in unreached:  # may still come, from a region's nested backward
                 self._left[plan.where[i][0]] += 1
                 self._pending.add(i)
-        else:
-            for i in unreached:
-                if params[i].grad is not None:  # accumulated under no_sync(), not reached now
-                    self._put_grad(i, params[i])
+        for i in held:
+            self._put_grad(i, params[i])
         queue_end_of_backward(self._end_of_backward)
         self._launch_ready()
 
@@ -527,6 +527,29 @@ class Reducer:
         self._stand_ins.clear()
         self._shards.clear()
         self._pool.reset_peak_held()
+
+def _check_plan(reducer: Reducer, plan: Plan, coming: set[int], uncertain: bool) -> Plan | None:
+    """The layout check as a syncing backward starts, carrying the presence flags of the grads ``coming`` in
+    it (``uncertain``: some may not): None where the backward reduces with ``plan``, the plan last agreed where
+    this rank must mirror it. Collective."""
+    if reducer._check is None:
+        return None
+    since, count = reducer._shards.since, len(reducer._table().params)
+    agreed = reducer._check(since.coming(coming, count, reducer.comm.device, plan), uncertain)
+    if agreed is None:
+        if reducer._agreed_plan is None:
+            raise RuntimeError("hf_zero stage 2: this rank's trainable params changed before the ranks first "
+                               "agreed on them: every rank must freeze and unfreeze the same params")
+        return reducer._agreed_plan
+    reducer._agreed_plan = plan
+    if reducer._shards.written and reducer._shards.plan is not plan:
+        raise RuntimeError(
+            "hf_zero stage 2: the trainable params (or their shapes) changed between two backwards "
+            "of one gradient accumulation: change requires_grad only right after optimizer.step() "
+            "or zero_grad()"
+        )
+    return None
+
 
 def memory(reducer: Reducer) -> dict[str, int]:
     """This rank's grad shards and reduce buckets now ([Note: memory ledger] in _ledger.py): the buckets
