@@ -88,3 +88,27 @@ def test_checkpoint_collectives_check_agreement_first(op, tmp_path):
     results = run_ranks(_disagree_before_checkpoint, 2, op, str(tmp_path / "ckpt"), timeout=40)
     assert results[0] == results[1] and results[0] is not None, results
     assert "ranks disagree on parameter 1.bias" in results[0]
+
+
+def _freeze_alone_before_the_step(rank, world_size):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=0.1, stage=2)
+    opt.bind_module(model)
+    for step in range(3):
+        model(torch.ones(3, 4)).sum().backward()
+        if step == 1 and rank == 1:
+            model[0].weight.requires_grad_(False)  # between the backward and the step, rank 1 alone
+        opt.step()  # raises; the process ends, as a script's would
+        opt.zero_grad()
+
+
+@pytest.mark.reliability("Under stage 2, only rank 1 freezes a layer between the backward and the step", "rank 1 raises the clear error at once, without a collective; rank 0 fails as soon as rank 1's process ends, not at the collective timeout")
+@pytest.mark.timeout(60)
+def test_stage2_one_rank_changing_between_backward_and_step_fails_fast():
+    with pytest.raises(RuntimeError) as raised:
+        run_ranks(_freeze_alone_before_the_step, 2, timeout=45)
+    message = str(raised.value)
+    assert "changed between the backward and optimizer.step()" in message
+    # rank 0 failed too, in the sync, within the harness's second of grace: it did not wait for a timeout
+    assert "2 of 2 ranks failed" in message and "parameter sync failed on rank 0" in message, message
