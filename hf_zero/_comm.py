@@ -460,9 +460,10 @@ class Agreement:
     - on the CPU (gloo): at the end of the step, once the step's own collectives were waited for (stage 2: at
       the start of the step, the check having started with the backward); by then the all-reduce, started
       before them, has completed on every rank, and reading it waits for nothing;
-    - an accelerator: :meth:`settle` (when the agreement starts) queues a copy of the result into pinned host
-      memory on a side stream that waits for the all-reduce alone, and records an event there; the result is read
-      after that event, which the queued compute does not delay.
+    - an accelerator: :meth:`settle` (when the agreement starts; with gloo, whose wait blocks the host, where it
+      is read) queues a copy of the result into pinned host memory on a side stream that waits for the
+      all-reduce alone, and records an event there; the result is read after that event, which the queued
+      compute does not delay.
 
     The values are read through a ``ctypes`` view of the host memory, made once per buffer: its reads are plain
     memory reads, which nothing queued can delay (a read of a ``torch.Tensor``'s value is what
@@ -493,7 +494,8 @@ class Agreement:
         with _named("the cross-rank layout agreement check", comm.rank):
             work = dist.all_reduce(self._tensor, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
         self._pending, self._work = comm._pending([work], "the cross-rank layout agreement check"), work
-        self.settle()
+        if not comm._keep_works:  # gloo's wait() would block the host here: it settles where it is read
+            self.settle()
 
     def payload(self) -> torch.Tensor:
         """The ``payload`` (int64, 1-D) MAX-reduced over ranks (on the device: nothing is read on the host)."""
