@@ -79,9 +79,12 @@ class SinceStep:
 
     def _full(self, count: int, dtype: torch.dtype, device, plan: Plan) -> torch.Tensor:
         key = (id(plan), count, dtype, str(device))
-        if _FULL[0] is None or _FULL[0][0] != key:
-            _FULL[0] = (key, plan, _flags_of(sorted(plan.where), count, dtype, device))
-        return _FULL[0][2]
+        made = _FULL.get(key)
+        if made is None:
+            if any(kept is not plan for kept, _ in _FULL.values()):
+                _FULL.clear()  # made for another plan
+            made = _FULL[key] = (plan, _flags_of(sorted(plan.where), count, dtype, device))
+        return made[1]
 
     def full(self, plan: Plan) -> bool:
         """Whether every param of ``plan`` had a grad on this rank (then some rank had each, no rank any
@@ -104,7 +107,7 @@ class SinceStep:
             self.agreed = self.agreed - {i}
 
 
-_FULL: list = [None]  # (key, its plan, the flags of a plan's every param): the last made
+_FULL: dict = {}  # (its plan's id, count, dtype, device) -> (the plan, the flags of its every param): the last plan's
 
 
 def _flags_of(touched: list[int], count: int, dtype: torch.dtype, device) -> torch.Tensor:
