@@ -230,8 +230,8 @@ class LayoutCheck:
         if blocking or agreement.everyone:  # every rank reads now
             if not agreement.same:
                 raise table.disagreement(comm.all_gather_object(table.agreement_items(table.mask())))
-            if agreement.anyone:
-                self._agreed = fp
+            if agreement.anyone:  # the caller re-partitions now: a backward's check left nothing due
+                self._agreed, self.due = fp, False
             return agreement.anyone
         self._late, self.mirroring = (agreement, True), True
         return False

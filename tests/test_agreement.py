@@ -112,3 +112,27 @@ def test_stage2_one_rank_changing_between_backward_and_step_fails_fast():
     assert "changed between the backward and optimizer.step()" in message
     # rank 0 failed too, in the sync, within the harness's second of grace: it did not wait for a timeout
     assert "2 of 2 ranks failed" in message and "parameter sync failed on rank 0" in message, message
+
+
+def _ensure_partition_between_backward_and_step(rank, world_size):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=0.1, stage=2)
+    opt.bind_module(model)
+    rebuilds = []
+    for step in range(3):
+        if step == 1:
+            model[0].weight.requires_grad_(False)  # every rank
+        model(torch.ones(3, 4)).sum().backward()
+        opt.ensure_partition()  # e.g. a callback between the backward and the step
+        opt.step()
+        opt.zero_grad()
+        rebuilds.append(opt.rebuilds)
+    return rebuilds
+
+
+@pytest.mark.timeout(60)
+def test_stage2_ensure_partition_between_backward_and_step_rebuilds_once():
+    """A freeze that every rank made, re-partitioned by ``ensure_partition()`` after the backward: the step
+    does not rebuild again."""
+    assert run_ranks(_ensure_partition_between_backward_and_step, 2, timeout=45) == [[1, 2, 2]] * 2
