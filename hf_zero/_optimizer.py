@@ -267,8 +267,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
     def _gradient_facts(self) -> tuple[ParamTable, Layout | None]:
         return self._table, getattr(self._live(), "layout", None)
 
-    def _check_at_backward(self, presence: torch.Tensor, uncertain: bool) -> bool | None:
-        return _check_at_backward(self, presence, uncertain)  # a method: the reducer holds it weakly
+    def _check_at_backward(self, presence: torch.Tensor, uncertain: bool, buckets: tuple) -> bool | None:
+        return _check_at_backward(self, presence, uncertain, buckets)  # a method: the reducer holds it weakly
 
     # -- step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -559,15 +559,17 @@ def _clip_args(opt: ZeroBucketOptimizer, parameters, what: str) -> tuple[set[int
     return chosen, pieces, opt._grad.partial_grads, sharded
 
 
-def _check_at_backward(opt: ZeroBucketOptimizer, presence: torch.Tensor, uncertain: bool) -> bool | None:
+def _check_at_backward(opt: ZeroBucketOptimizer, presence: torch.Tensor, uncertain: bool,
+                       buckets: tuple) -> bool | None:
     """Stage 2's layout check as a syncing backward starts ([Note: the check at a backward] in _params.py);
     ``presence``: this rank's presence flags as the backward will leave them (int64), ``uncertain``: where
-    they may name a param whose grad never comes. Returns what :meth:`LayoutCheck.at_backward_start` does.
+    they may name a param whose grad never comes; ``buckets``: the reducer's (its plan's, as
+    ``gradient_path.wanted_buckets`` gives them). Returns what :meth:`LayoutCheck.at_backward_start` does.
     Collective."""
     opt._lifecycle.check_pending()
     live, mask = opt._live(), opt._table.mask()
     intact = opt._partition is not None and opt._partition.views_intact(opt._table.params)
-    need = live is None or mask != live.mask or live.layout.buckets != opt._grad.wanted_buckets
+    need = live is None or mask != live.mask or live.layout.buckets != buckets
     return opt._check.at_backward_start(opt._comm, opt._table, (mask, live is None), need=need,
                                         fresh=not intact, payload=presence, uncertain=uncertain)
 

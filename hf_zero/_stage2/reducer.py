@@ -535,7 +535,7 @@ def _check_plan(reducer: Reducer, plan: Plan, coming: set[int], uncertain: bool)
     if reducer._check is None:
         return None
     since, count = reducer._shards.since, len(reducer._table().params)
-    agreed = reducer._check(since.coming(coming, count, reducer.comm.device, plan), uncertain)
+    agreed = reducer._check(since.coming(coming, count, reducer.comm.device, plan), uncertain, plan.layout.buckets)
     if agreed is None:
         if reducer._agreed_plan is None:
             raise RuntimeError("hf_zero stage 2: this rank's trainable params changed before the ranks first "
