@@ -314,11 +314,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
 
     def _ensure_partition(self, force: bool, blocking: bool = True, payload: torch.Tensor | None = None) -> None:
         """``blocking``: every rank reads the layout check now; else a steady step reads it late ([Note: the layout check])."""
-        self._lifecycle.check_pending()
-        intact = self._partition is not None and self._partition.views_intact(self._table.params)
-        live, mask = self._live(), self._table.mask()
-        need = force or live is None or mask != live.mask or live.layout.buckets != self._grad.wanted_buckets
-        if self._check.begin(self._comm, self._table, mask, need=need, fresh=not intact, blocking=blocking,
+        mask, _, intact, need = _layout_now(self, self._grad.wanted_buckets)
+        if self._check.begin(self._comm, self._table, mask, need=force or need, fresh=not intact, blocking=blocking,
                              payload=payload):
             self.wait_param_sync()
             self._rebuild()
@@ -566,12 +563,19 @@ def _check_at_backward(opt: ZeroBucketOptimizer, presence: torch.Tensor, uncerta
     they may name a param whose grad never comes; ``buckets``: the reducer's (its plan's, as
     ``gradient_path.wanted_buckets`` gives them). Returns what :meth:`LayoutCheck.at_backward_start` does.
     Collective."""
+    mask, reload_due, intact, need = _layout_now(opt, buckets)
+    return opt._check.at_backward_start(opt._comm, opt._table, (mask, reload_due), need=need,
+                                        fresh=not intact, payload=presence, uncertain=uncertain)
+
+
+def _layout_now(opt: ZeroBucketOptimizer, buckets: tuple) -> tuple:
+    """What the layout check starts from (after refusing an unresolved load): (``table.mask()``, whether the
+    partition must be rebuilt from a load, whether the params still have the storage it gave them, whether
+    this rank must re-partition: a load, a trainability change or other ``buckets`` to plan with)."""
     opt._lifecycle.check_pending()
     live, mask = opt._live(), opt._table.mask()
     intact = opt._partition is not None and opt._partition.views_intact(opt._table.params)
-    need = live is None or mask != live.mask or live.layout.buckets != buckets
-    return opt._check.at_backward_start(opt._comm, opt._table, (mask, live is None), need=need,
-                                        fresh=not intact, payload=presence, uncertain=uncertain)
+    return mask, live is None, intact, live is None or mask != live.mask or live.layout.buckets != buckets
 
 
 def _partition_for_step(opt: ZeroBucketOptimizer, grads, checked: bool) -> None:
