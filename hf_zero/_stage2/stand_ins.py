@@ -29,6 +29,7 @@ stand-ins out again.
 
 from __future__ import annotations
 
+from itertools import repeat
 from operator import attrgetter, is_
 
 import torch
@@ -95,6 +96,9 @@ class StandIns:
         self._standing: dict[int, tuple] = {}  # param index -> (the param, its stand-in in p.grad, its plain alias, its version then)
         self._kept: dict[int, tuple] = {}  # (stand-in, plain alias): reused from one backward to the next while untouched
         self._placed: tuple | None = None  # (per param of the table: its stand-in or None, the plain aliases, their versions)
+        # The last placing that put a kept stand-in in every candidate's p.grad, to do again in one pass:
+        # (params, candidates, the params chosen, their stand-ins, :attr:`_standing` then, :attr:`_placed` then).
+        self._again: tuple | None = None
 
     def __bool__(self) -> bool:
         return bool(self._standing)
@@ -114,6 +118,9 @@ class StandIns:
     def place(self, params, candidates, label) -> None:
         """Put a stand-in in ``p.grad`` of each trainable param among ``candidates`` (indices into ``params``, the
         table's) whose ``p.grad`` is None; ``label(i)``: param i's name."""
+        if self._place_again(params, candidates):
+            return
+        fresh = not self._standing
         kept, standing, chosen = self._kept, self._standing, list(map(params.__getitem__, candidates))
         for i, p, g, trainable in zip(candidates, chosen, map(_GRAD, chosen), map(_REQUIRES_GRAD, chosen)):
             if g is not None or not trainable:
@@ -137,6 +144,32 @@ class StandIns:
         for i, (_, s, _, _) in standing.items():
             expected[i] = s
         self._placed = (expected, tuple(e[2] for e in standing.values()), tuple(e[3] for e in standing.values()))
+        self._again = None
+        if fresh and len(standing) == len(chosen):  # every candidate took a stand-in: the steady case
+            self._again = (params, candidates, tuple(chosen), tuple(standing[i][1] for i in candidates),
+                           dict(standing), self._placed)
+
+    def _place_again(self, params, candidates) -> bool:
+        """:meth:`place` as the last steady one did, where nothing it looked at one by one has changed (the same
+        plan and params, none standing, every candidate's ``p.grad`` None and trainable, no kept stand-in
+        zeroed): what a backward's end costs per param is then one assignment. False where it did nothing."""
+        again = self._again
+        if again is None or again[0] is not params or again[1] is not candidates or self._standing:
+            return False
+        _, _, chosen, stand_ins, standing, placed = again
+        if not (all(map(is_, map(_GRAD, chosen), repeat(None))) and all(map(_REQUIRES_GRAD, chosen))
+                and versions_of(placed[1]) == placed[2]):
+            return False
+        try:
+            for p, s in zip(chosen, stand_ins):
+                p.grad = s
+        except RuntimeError:  # a param's shape, dtype or device is no longer its stand-in's: place() sorts it out
+            for p, s in zip(chosen, stand_ins):
+                if p.grad is s:
+                    p.grad = None
+            return False
+        self._standing, self._placed = dict(standing), placed
+        return True
 
     def settle(self, table, *, clear: bool) -> list[tuple[int, bool]]:
         """What was done to the stand-ins since they were placed: (param index, zeroed rather than
