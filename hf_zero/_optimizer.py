@@ -267,8 +267,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
     def _gradient_facts(self) -> tuple[ParamTable, Layout | None]:
         return self._table, getattr(self._live(), "layout", None)
 
-    def _check_at_backward(self, presence: torch.Tensor, uncertain: bool, buckets: tuple) -> bool | None:
-        return _check_at_backward(self, presence, uncertain, buckets)  # a method: the reducer holds it weakly
+    def _check_at_backward(self, presence: torch.Tensor, uncertain: bool, buckets: tuple,
+                           carried=None) -> bool | None:
+        return _check_at_backward(self, presence, uncertain, buckets, carried)  # a method: the reducer holds it weakly
 
     # -- step ----------------------------------------------------------------------
     @torch.no_grad()
@@ -557,15 +558,15 @@ def _clip_args(opt: ZeroBucketOptimizer, parameters, what: str) -> tuple[set[int
 
 
 def _check_at_backward(opt: ZeroBucketOptimizer, presence: torch.Tensor, uncertain: bool,
-                       buckets: tuple) -> bool | None:
+                       buckets: tuple, carried=None) -> bool | None:
     """Stage 2's layout check as a syncing backward starts ([Note: the check at a backward] in _params.py);
     ``presence``: this rank's presence flags as the backward will leave them (int64), ``uncertain``: where
     they may name a param whose grad never comes; ``buckets``: the reducer's (its plan's, as
-    ``gradient_path.wanted_buckets`` gives them). Returns what :meth:`LayoutCheck.at_backward_start` does.
-    Collective."""
+    ``gradient_path.wanted_buckets`` gives them); ``carried``: where a reduce bucket carries the check.
+    Returns what :meth:`LayoutCheck.at_backward_start` does. Collective."""
     mask, reload_due, intact, need = _layout_now(opt, buckets)
     return opt._check.at_backward_start(opt._comm, opt._table, (mask, reload_due), need=need,
-                                        fresh=not intact, payload=presence, uncertain=uncertain)
+                                        fresh=not intact, payload=presence, uncertain=uncertain, carried=carried)
 
 
 def _layout_now(opt: ZeroBucketOptimizer, buckets: tuple) -> tuple:

@@ -192,7 +192,10 @@ class LayoutCheck:
     agreed: it reduces the buckets the others reduce (a param frozen since adds zeros, one unfrozen since is
     dropped), so no collective is left unmatched. Every rank reads the check at the start of the step, where its
     all-reduce has long completed, and raises the same error there, before anything changes. Where every rank
-    changed alike, the backward reduces with the new plan and the step re-partitions (:attr:`due`).
+    changed alike, the backward reduces with the new plan and the step re-partitions (:attr:`due`). Where a
+    reduce bucket of the plan last agreed can carry the check, a steady rank makes no collective for it: its
+    bits ride that bucket's reduce-scatter, and a changed rank reduces the buckets up to it at once to learn
+    whether every rank changed ([Note: the check rides a bucket] in _stage2/carrier.py).
 
     The check also carries the presence flags the step needs ([Note: agreeing on presence] in
     _stage2/grads.py), as the backward will leave them: the params it will reach (``will_run``), those with a
@@ -237,11 +240,25 @@ class LayoutCheck:
         return False
 
     def at_backward_start(self, comm, table: ParamTable, state: tuple, *, need: bool, fresh: bool,
-                          payload, uncertain: bool) -> bool | None:
+                          payload, uncertain: bool, carried=None) -> bool | None:
         """Stage 2: a syncing backward starts, before its first reduce-scatter; see [Note: the check at a
         backward]. ``state``: (``table.mask()``, whether the partition must be rebuilt from a load), which the
         step compares with its own. Returns True where every rank re-partitions (at the step), False where this
-        backward reduces with the plan it has, None where this rank must mirror the plan last agreed. Collective."""
+        backward reduces with the plan it has, None where this rank must mirror the plan last agreed. ``carried``:
+        where a reduce bucket carries the check ([Note: the check rides a bucket] in _stage2/carrier.py), what
+        it will hear (``heard``) and a ``probe()`` for a rank that changed. Collective, except on a steady rank
+        whose check a bucket carries."""
+        if carried is not None:
+            self.read_late(comm, table)
+            if not (need or table.fingerprint(state[0], fresh=fresh) != self._agreed):
+                heard = carried.heard
+                self._late, self._uncertain, self.carried = (heard, False), heard, lambda: payload
+                self.at_backward = state
+                return False
+            probed = carried.probe()
+            if not probed.everyone:  # some rank is steady: mirror; every rank raises at the step
+                self._late, self.mirroring, self.carried, self.at_backward = (probed, True), True, None, state
+                return None
         everyone = self.begin(comm, table, state[0], need=need, fresh=fresh, blocking=False, payload=payload,
                               uncertain=uncertain)
         self.at_backward, self.due = state, self.due or everyone
@@ -290,7 +307,7 @@ class LayoutCheck:
             return
         self.mirroring = False
         everyone = comm.all_gather_object((table.agreement_items(table.mask()), needed))
-        if not late.same:
+        if any(items != everyone[0][0] for items, _ in everyone):
             raise table.disagreement([items for items, _ in everyone])
         changed = [r for r, (_, need) in enumerate(everyone) if need]
         raise RuntimeError(

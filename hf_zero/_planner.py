@@ -24,7 +24,7 @@ import torch
 from ._comm import default_strategy
 from ._layout import ParamSpec, torch_zero_owners, max_over_mean, plan_layout, torch_zero_loads
 from ._runs import may_follow
-from ._stage2 import GRAD_ACCUM_DTYPES, accumulate_dtype, buckets_in_flight, plan_buckets, shard_dtype
+from ._stage2 import GRAD_ACCUM_DTYPES, accumulate_dtype, buckets_in_flight, carrier_of, plan_buckets, shard_dtype
 
 SCHEMA = "hf_zero.plan/3"  # 3: "ledger" (and "fits" with --device-memory)
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
@@ -696,11 +696,13 @@ def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 
         if optimizer == "adamw" and not masters and (stage == 2 or ddp_bucket_view):  # a run: one tensor, one step
             state -= _STEP_BYTES * _joined(layout, pieces, specs, size)
         if stage == 2:
-            widen = accumulate_dtype(grad_accum_dtype, stage)
-            for b in layout.buffers:
+            widen, carrier = accumulate_dtype(grad_accum_dtype, stage), carrier_of(layout.buffers, r, world_size)
+            for k, b in enumerate(layout.buffers):
                 end = max(s.offset + s.numel for s in b.slots)
                 itemsize = shard_dtype(widen, b.dtype).itemsize
-                shards += (min(b.bounds[r + 1], end) - min(b.bounds[r], end)) * itemsize
+                owned = min(b.bounds[r + 1], end) - min(b.bounds[r], end)
+                # the carrier's shard holds its range with padding and the check's header after it
+                shards += (carrier.shard if carrier is not None and carrier.bucket == k else owned) * itemsize
         per_rank.append((state, masters, shards))
     state, masters, shards = max(per_rank, key=sum) if rank is None else per_rank[rank]
     out = {"params": params, "full_grads": 0 if stage == 2 or ddp_bucket_view else trainable,
@@ -708,7 +710,9 @@ def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 
            "masters": masters, "optimizer_state": state}
     out["model_states"] = sum(out.values())
     if stage == 2:
-        widths = [max(s.offset + s.numel for s in b.slots) * size[b.dtype] for b in layout.buffers]
+        carrier = carrier_of(layout.buffers, 0, world_size)
+        widths = [(carrier.size if carrier is not None and carrier.bucket == k else max(s.offset + s.numel for s in b.slots))
+                  * size[b.dtype] for k, b in enumerate(layout.buffers)]
         pooled = max((w for w, b in zip(widths, layout.buffers) if w <= cap or len(b.slots) > 1), default=0)
         if in_flight is None:
             backend = "nccl" if any(s.device.startswith("cuda") for s in specs) else "gloo"

@@ -29,6 +29,7 @@ LAYERS = [
     "_export",
     "_overlap",
     "_scatter_hook",
+    "_stage2.carrier",
     "_stage2.plan",
     "_stage2.pool",
     "_stage2.stand_ins",

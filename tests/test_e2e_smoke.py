@@ -68,10 +68,10 @@ def test_smoke_run(tmp_path):
     assert {g["who"] for g in res["goals"]} >= {"hf_zero_rs_overlap", "trainer zero_bucket",
                                                "hf_zero_stage2 / hf_zero_reduce_scatter"}
 
-    # Stage 2 (no DDP): its reducer's reduce-scatter, the param sync, the agreement carrying the "had a grad" flags:
-    # DDP's bytes within 1% at accumulation 1 (issue 30); timed against stage 1 in the same rounds.
+    # Stage 2 (no DDP): its reducer's reduce-scatter, which carries the layout check, and the param sync: DDP's
+    # bytes within 1% at accumulation 1 (issue 30); timed against stage 1 in the same rounds.
     c = counted["hf_zero_stage2"]
-    assert not c["ddp_all_reduce_kept"] and c["python_by_kind"]["isend"] == 2 and c["python_by_kind"]["all_reduce"] == 1
+    assert not c["ddp_all_reduce_kept"] and c["python_by_kind"]["isend"] == 2 and "all_reduce" not in c["python_by_kind"]
     assert 0.99 < c["wire_over_ddp"] <= 1.01, c["wire_over_ddp"]
     assert set(res["stage2_vs_stage1"]) == {str(b) for b in cfg["batches"]}
     # Accumulation of 4: under no_sync() one reduction per optimizer step (DDP's bytes); stage 2 reducing every

@@ -546,15 +546,17 @@ def _small_all_reduces_per_step(rank, world_size):
 
 
 @pytest.mark.timeout(120)
-def test_clipping_carries_the_presence_agreement_so_a_step_costs_stage_1s_small_all_reduces():
-    """[Note: agreeing on presence]: a stage-2 step runs the same small all-reduces as stage 1's:
-    the layout check (48 bytes), made as the backward starts and carrying the presence flags (int64),
-    and the norm's (a float64 scalar, plus one float64 presence flag per param) when clipping.
-    MLP.unused (never reached) is in the flags and keeps its value: test_stage2_matches_reference's
-    clipping cases compare it with the reference."""
+def test_clipping_carries_the_presence_agreement_so_a_step_costs_one_small_all_reduce():
+    """[Note: agreeing on presence]: the first backward's layout check (48 bytes) is an all-reduce carrying the
+    presence flags (int64); from the second on a reduce bucket carries the check ([Note: the check rides a
+    bucket]), and MLP.unused (never reached) leaves the flags partial, so they ride the norm's all-reduce (a
+    float64 scalar, plus one float64 flag per param) when clipping, or are agreed at the step (one float32 flag
+    per param) otherwise. MLP.unused keeps its value: test_stage2_matches_reference's clipping cases compare it
+    with the reference."""
     for seen, count in run_ranks(_small_all_reduces_per_step, 2, timeout=100):
-        assert seen[True] == [sorted([48 + 8 * count, 8 * (1 + count)])] * 3, seen[True]
-        assert seen[False] == [[48 + 8 * count]] * 3, seen[False]
+        norm = 8 * (1 + count)
+        assert seen[True] == [sorted([48 + 8 * count, norm]), [norm], [norm]], seen[True]
+        assert seen[False] == [[4 * count]] * 3, seen[False]
 
 
 def _rank_1_answers_no_backward(rank, world_size, skip_model):

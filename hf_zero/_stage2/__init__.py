@@ -13,11 +13,13 @@ The parts, each a file:
   for the shards]);
 - ``buffers.py``: rank 0's params and buffers ([Note: buffers after a syncing backward]);
 - ``hooks.py``: the hooks on the bound module and its params, shared by every reducer bound to it
-  ([Note: several optimizers over one module], [Note: forward hooks under torch.compile]).
+  ([Note: several optimizers over one module], [Note: forward hooks under torch.compile]);
+- ``carrier.py``: the reduce bucket that carries the layout check ([Note: the check rides a bucket]).
 
 docs/stage2.md says what users see; docs/stage2_internals.md compares it with DDP's path.
 """
 
+from .carrier import carrier_of
 from .grads import ShardedGrads
 from .plan import (
     AUTO_GRAD_ACCUM_DTYPE, DEFAULT_BUCKET_CAP_MB, GRAD_ACCUM_DTYPES, MAX_IN_FLIGHT, accumulate_dtype, buckets_in_flight,
@@ -27,5 +29,5 @@ from .reducer import Reducer, memory, memory_peaks, stands_in
 
 __all__ = [
     "AUTO_GRAD_ACCUM_DTYPE", "DEFAULT_BUCKET_CAP_MB", "GRAD_ACCUM_DTYPES", "MAX_IN_FLIGHT", "Reducer", "ShardedGrads",
-    "accumulate_dtype", "buckets_in_flight", "memory", "memory_peaks", "plan_buckets", "shard_dtype", "stands_in",
+    "accumulate_dtype", "buckets_in_flight", "carrier_of", "memory", "memory_peaks", "plan_buckets", "shard_dtype", "stands_in",
 ]

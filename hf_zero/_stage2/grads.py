@@ -131,7 +131,10 @@ class ShardedGrads:
     every rank's bucket slot of a grad that never came is zeroed before it is reduced): so
     the flags ride in the norm's all-reduce (:meth:`all_reduce_along`), as they do in a
     GradScaler's inf check, and the step finds them agreed. Otherwise they ride the step's
-    layout check ([Note: the layout check] in _params.py; :meth:`agree` with ``reduced``). A rank
+    layout check ([Note: the layout check] in _params.py; :meth:`agree` with ``reduced``); where a
+    reduce bucket carries the check, it carries one bit of them instead, whether some rank's were
+    partial ([Note: the check rides a bucket] in carrier.py): where none was, the answer is every
+    param of the plan; else the step agrees with an all-reduce of its own. A rank
     that had a grad for every param of the plan knows the answer (all of them) and reads nothing
     on the host; only a rank that missed one reads the reduced flags."""
 
@@ -210,27 +213,35 @@ class Shards:
     def __init__(self):
         self.plan: Plan | None = None
         self.tensors: list = []
+        self.carried: torch.Tensor | None = None  # the carrier's shard with its header
         self.written: set[int] = set()
         self.since = SinceStep()
 
     def follow(self, plan: Plan) -> None:
         """Reductions of ``plan`` come: shards of an older plan are dropped."""
         if self.plan is not plan:
-            self.tensors, self.plan = [None] * len(plan.sizes), plan
+            self.tensors, self.plan, self.carried = [None] * len(plan.sizes), plan, None
 
     def shard(self, b: int, dtype: torch.dtype, device) -> torch.Tensor:
-        """Buffer ``b``'s shard, allocated (not zeroed) at its first use since the step."""
+        """What buffer ``b``'s reduction writes: its shard, allocated (not zeroed) at its first use since the
+        step; the carrier's with its header after it ([Note: the check rides a bucket] in carrier.py)."""
+        c = self.plan.carrier
+        carried = c is not None and c.bucket == b
         if self.tensors[b] is None:
             lo, hi = self.plan.owned[b]
-            self.tensors[b] = torch.empty(hi - lo, dtype=dtype, device=device)
-        return self.tensors[b]
+            if carried:
+                self.carried = torch.empty(c.shard, dtype=dtype, device=device)
+                self.tensors[b] = self.carried[: hi - lo]
+            else:
+                self.tensors[b] = torch.empty(hi - lo, dtype=dtype, device=device)
+        return self.carried if carried else self.tensors[b]
 
     def written_tensors(self) -> list:
         """The shards written since the step, in buffer order (the same buffers on every rank)."""
         return [self.tensors[b] for b in sorted(self.written)] if self.plan is not None else []
 
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.tensors if s is not None)
+        return sum(s.untyped_storage().nbytes() for s in self.tensors if s is not None)
 
     def zero(self, i: int) -> None:
         """Zero param ``i``'s elements in this rank's shards."""
@@ -251,7 +262,7 @@ class Shards:
     def clear(self) -> None:
         """The step consumed them (or ``zero_grad``): let them go."""
         self.written.clear()
-        self.tensors = [None] * len(self.tensors)
+        self.tensors, self.carried = [None] * len(self.tensors), None
         self.since = SinceStep()
 
 

@@ -59,6 +59,12 @@ def detach(module: torch.nn.Module, broadcasting: bool) -> None:
         del module.no_sync
 
 
+def alone(reducer: Reducer) -> bool:
+    """Whether ``reducer`` is the only reducer bound in this process (no other's collectives can come
+    between its own in a backward: [Note: the check rides a bucket] in carrier.py)."""
+    return all(reducers_of(module) in ([], [reducer]) for module in list(_BOUND.keys()))
+
+
 def reducers_of(module: torch.nn.Module) -> list[Reducer]:
     """The live reducers bound to ``module``, in the order they were bound."""
     found = (ref() for ref in _BOUND.get(module, ()))

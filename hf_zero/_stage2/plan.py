@@ -4,12 +4,13 @@ rank); :class:`CurrentPlan` keeps the plan of the params as they are now."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .._engine import grad_accumulator, will_run_each
 from .._layout import Layout, plan_layout
+from .carrier import Carrier, carrier_of
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
 MAX_IN_FLIGHT = 2  # buckets being reduce-scattered at once (see the note)
@@ -78,7 +79,9 @@ def backward_order(table, module_ref) -> list[int]:
 @dataclass(frozen=True)
 class Plan:
     """One layout as the reducer uses it; ``where[i]``: (buffer, offset, numel) of param i;
-    per buffer (in bucket order): its reduced size, bounds, and this rank's range in it."""
+    per buffer (in bucket order): its reduced size, bounds, and this rank's range in it. The ``carrier``'s
+    size and gaps are its own ([Note: the check rides a bucket] in carrier.py); ``where`` and ``owned`` are
+    the bucket's as planned."""
 
     layout: Layout
     where: dict
@@ -86,6 +89,13 @@ class Plan:
     owned: tuple[tuple[int, int], ...]
     gaps: tuple[tuple[tuple[int, int], ...], ...]  # per buffer: the ranges no slot covers (alignment)
     pieces: tuple = ()  # this rank's pieces of the layout (``Layout.pieces``)
+    carrier: Carrier | None = None
+    moved: dict = field(default_factory=dict)  # the carrier's ``parts``
+
+    def bounds(self, b: int) -> tuple[int, ...]:
+        """Bucket ``b``'s rank bounds as it is reduced."""
+        c = self.carrier
+        return c.bounds if c is not None and c.bucket == b else self.layout.buffers[b].bounds
 
 
 def plan_of(layout: Layout, rank: int) -> Plan:
@@ -102,7 +112,11 @@ def plan_of(layout: Layout, rank: int) -> Plan:
                 holes.append((at, a))
             at = max(at, z)
         gaps.append(tuple(holes))
-    return Plan(layout, where, tuple(sizes), tuple(owned), tuple(gaps), tuple(layout.pieces(rank)))
+    carrier = carrier_of(layout.buffers, rank, layout.world_size)
+    if carrier is not None:
+        sizes[carrier.bucket], gaps[carrier.bucket] = carrier.size, carrier.gaps
+    return Plan(layout, where, tuple(sizes), tuple(owned), tuple(gaps), tuple(layout.pieces(rank)), carrier,
+                {} if carrier is None else carrier.parts)
 
 
 _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel

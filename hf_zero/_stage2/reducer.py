@@ -123,9 +123,10 @@ from .._engine import (
     accumulates, graph_task_id, in_functorch, queue_end_of_backward, reentrant_region_below, tree_tensors,
 )
 from .buffers import ReceivedBuffers, broadcast_at_bind
+from .carrier import Carrying, HEADER, write_flags
 from .grads import ShardedGrads, Shards, unscale
 from .hooks import (
-    ARMED, ParamHooks, anchor_outputs, arming_hook, attach, check_coverage, detach, reducers_of, refuse_binding,
+    ARMED, ParamHooks, alone, anchor_outputs, arming_hook, attach, check_coverage, detach, reducers_of, refuse_binding,
 )
 from .plan import DEFAULT_BUCKET_CAP_MB, CurrentPlan, Plan, buckets_in_flight, shard_dtype
 from .pool import BucketPool
@@ -142,6 +143,7 @@ class Reducer:
         self._table = table
         self._check = check  # the optimizer's layout check as a syncing backward starts (None: no check)
         self._agreed_plan: Plan | None = None  # the plan of the last backward whose check found the ranks agreeing
+        self._carrying = Carrying(comm)  # [Note: the check rides a bucket] in carrier.py
         self._shard = shard
         self.cap_bytes = int(DEFAULT_BUCKET_CAP_MB * (1 << 20))
         self.module_ref = None
@@ -162,13 +164,14 @@ class Reducer:
         self._placed: set[int] = set()  # params whose grad is in their bucket this backward
         self._regions_cache: tuple = (None, False)  # (unreached params, reentrant regions below)
         self._broken = False  # a backward raised midway since the last step / zero_grad
-        self._next = 0  # the next buffer to reduce-scatter
+        self._next = self._first = 0  # the next buffer to reduce-scatter; the first this backward does
         self._filling: dict[int, tuple] = {}  # buffer -> (bucket, pooled base or None, divisor of its grads: N or 1)
         self._in_flight: deque = deque()
         self.in_flight_limit = buckets_in_flight(comm.strategy.reduce_scatter_by)
         self._pool = BucketPool(keep=self.in_flight_limit + 1)
         # Since the last step.
         self._shards = Shards()
+        self._flags = (0, 0)  # this backward's bits in the carrier's headers
         self._unscaled = False  # a GradScaler unscaled the shards (unscale_): the next backward starts fresh
 
     # -- binding ------------------------------------------------------------------------
@@ -305,6 +308,9 @@ class Reducer:
             return
         b = where[0]
         if b < self._next:
+            if b < self._first:  # a probe sent this bucket: [Note: the check rides a bucket] in carrier.py
+                p.grad = None
+                return
             raise RuntimeError(
                 f"hf_zero stage 2: a gradient for {self._table().label(i)} arrived after its bucket was reduced "
                 "in this backward (a param used in several reentrant checkpoint regions, or reached by a nested "
@@ -325,11 +331,11 @@ class Reducer:
         left, pending, unreached = self._plans.reach()
         regions = bool(unreached) and root is not None and self._reentrant_regions(root, unreached)
         held = [] if regions else [i for i in unreached if params[i].grad is not None]  # accumulated under no_sync()
-        mirror = _check_plan(self, plan, pending.union(held), regions)
+        mirror, start = _check_plan(self, plan, pending.union(held), regions)
         if mirror is not None:  # this rank changed alone: [Note: the check at a backward] in _params.py
             self._plan = plan = mirror
             left, pending, regions, held = [0] * len(plan.sizes), set(), False, []
-        self._armed, self._next, self._shards.since.armed = True, 0, True
+        self._armed, self._next, self._first, self._shards.since.armed = True, start, start, True
         self._deferred = mirror is not None or any(r is not self for r in ARMED)
         ARMED.add(self)
         self._placed, self._left, self._pending = set(), left, pending
@@ -369,14 +375,15 @@ class Reducer:
             self._bucket(b)
             held = self._filling[b]
         bucket, _, n = held  # n: divided as they come (early_divisor)
-        slot, g = (bucket.as_strided(g.shape, g.stride(), bucket.storage_offset() + offset), g) if g.is_contiguous() \
-            else (bucket[offset : offset + numel], g.reshape(-1))  # as_strided: one call, not a slice and a reshape
-        if i in self._placed:  # a second grad in one backward (nested backwards): summed as autograd would
-            slot.add_(g if n == 1 else g / n)
-        elif n == 1:
-            slot.copy_(g)
+        parts = self._plan.moved.get(i)  # in the carrier: [Note: the check rides a bucket] in carrier.py
+        if parts is not None and len(parts) > 1:  # across a rank's header
+            for at, start, count in parts:
+                _into(bucket[at : at + count], g.reshape(-1)[start : start + count], n, i in self._placed)
         else:
-            torch.div(g, n, out=slot)  # [Note: dividing as the grads come]
+            offset = offset if parts is None else parts[0][0]
+            slot, g = (bucket.as_strided(g.shape, g.stride(), bucket.storage_offset() + offset), g) \
+                if g.is_contiguous() else (bucket[offset : offset + numel], g.reshape(-1))  # as_strided: one call
+            _into(slot, g, n, i in self._placed)
         self._placed.add(i)
         p.grad = None
         self._shards.since.touched.add(i)
@@ -391,6 +398,7 @@ class Reducer:
             buf, base = self._pool.take(self._plan.sizes[b], plan.dtype, torch.device(plan.device))
             for a, z in self._plan.gaps[b]:
                 buf[a:z].zero_()
+            write_flags(buf, b, self._plan.carrier, self._flags)
             divided = early_divisor(plan.dtype, self.comm.world_size) > 1
             held = self._filling[b] = (buf, base, self.comm.world_size if divided else 1)
             self._pool.count(buf, base)
@@ -424,7 +432,8 @@ class Reducer:
         # a bucket, pooled or fresh ([Note: bucket pool]), holds old values where no grad came
         for s in self._plan.layout.buffers[b].slots:
             if s.index not in self._placed:
-                buf[s.offset : s.offset + s.numel].zero_()
+                for at, _, count in self._plan.moved.get(s.index, ((s.offset, 0, s.numel),)):
+                    buf[at : at + count].zero_()
         self._next = b + 1
         while len(self._in_flight) >= self.in_flight_limit:
             self._finish(*self._in_flight.popleft())
@@ -432,15 +441,13 @@ class Reducer:
         into, first, dtype = None, b not in self._shards.written, shard_dtype(self.accumulate_dtype, buf.dtype)
         if first or dtype != buf.dtype:  # straight into the shard: [Note: what stage 2 accumulates in]
             into = self._shards.shard(b, dtype, buf.device)
-        pending = self.comm.reduce_scatter_(buf, self._plan.layout.buffers[b].bounds, out=into, divided=divided,
+        pending = self.comm.reduce_scatter_(buf, self._plan.bounds(b), out=into, divided=divided,
                                             accumulate=into is not None and not first)
         self._in_flight.append((b, buf, base, into is not None, pending))
 
     def _finish(self, b: int, buf: torch.Tensor, base: torch.Tensor | None, direct: bool, pending) -> None:
         pending.wait()
-        if not direct:  # accumulating in the bucket's dtype: this backward's average added to the shard's
-            lo, hi = self._plan.owned[b]
-            self._shards.tensors[b].add_(buf[lo:hi])
+        _into_shard(self, b, buf, direct)
         self._shards.written.add(b)
         if base is not None:
             self._pool.give(base)
@@ -528,19 +535,49 @@ class Reducer:
         self._shards.clear()
         self._pool.reset_peak_held()
 
-def _check_plan(reducer: Reducer, plan: Plan, coming: set[int], uncertain: bool) -> Plan | None:
+def _into_shard(reducer: Reducer, b: int, buf: torch.Tensor, direct: bool) -> None:
+    """Bucket ``b``'s reduction is complete: where it was reduced in the bucket (accumulating in the bucket's
+    dtype), add this backward's average to the shard's; the carrier's header is heard."""
+    plan, shards = reducer._plan, reducer._shards
+    carried = plan.carrier is not None and plan.carrier.bucket == b
+    if not direct:
+        lo, hi = plan.bounds(b)[reducer.comm.rank : reducer.comm.rank + 2] if carried else plan.owned[b]
+        (shards.carried if carried else shards.tensors[b]).add_(buf[lo:hi])
+    if carried:
+        reducer._carrying.heard.capture(shards.carried[-HEADER:], buf.dtype)
+
+
+def _into(slot: torch.Tensor, g: torch.Tensor, n: int, again: bool) -> None:
+    """A grad into its bucket ``slot``, divided by ``n`` ([Note: dividing as the grads come]); ``again``: a
+    second grad in one backward (nested backwards), summed as autograd would."""
+    if again:
+        slot.add_(g if n == 1 else g / n)
+    elif n == 1:
+        slot.copy_(g)
+    else:
+        torch.div(g, n, out=slot)
+
+
+def _check_plan(reducer: Reducer, plan: Plan, coming: set[int], uncertain: bool) -> tuple[Plan | None, int]:
     """The layout check as a syncing backward starts, carrying the presence flags of the grads ``coming`` in
-    it (``uncertain``: some may not): None where the backward reduces with ``plan``, the plan last agreed where
-    this rank must mirror it. Collective."""
+    it (``uncertain``: some may not): (None where the backward reduces with ``plan``, the plan last agreed where
+    this rank must mirror it; the bucket it reduces from). Collective, unless a bucket carries it: [Note: the
+    check rides a bucket] in carrier.py."""
+    reducer._flags = (0, int(uncertain or len(coming) != len(plan.where)))  # this rank's bits, where it carries
     if reducer._check is None:
-        return None
+        return None, 0
     since, count = reducer._shards.since, len(reducer._table().params)
-    agreed = reducer._check(since.coming(coming, count, reducer.comm.device, plan), uncertain, plan.layout.buckets)
+    last = reducer._agreed_plan
+    carried = None
+    if last is not None and last.carrier is not None and alone(reducer):
+        carried = reducer._carrying.over(last)
+    agreed = reducer._check(since.coming(coming, count, reducer.comm.device, plan), uncertain, plan.layout.buckets,
+                            carried)
     if agreed is None:
-        if reducer._agreed_plan is None:
+        if last is None:
             raise RuntimeError("hf_zero stage 2: this rank's trainable params changed before the ranks first "
                                "agreed on them: every rank must freeze and unfreeze the same params")
-        return reducer._agreed_plan
+        return last, 0 if carried is None else last.carrier.bucket + 1
     reducer._agreed_plan = plan
     if reducer._shards.written and reducer._shards.plan is not plan:
         raise RuntimeError(
@@ -548,7 +585,7 @@ def _check_plan(reducer: Reducer, plan: Plan, coming: set[int], uncertain: bool)
             "of one gradient accumulation: change requires_grad only right after optimizer.step() "
             "or zero_grad()"
         )
-    return None
+    return None, 0
 
 
 def memory(reducer: Reducer) -> dict[str, int]:
