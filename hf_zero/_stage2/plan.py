@@ -91,6 +91,7 @@ class Plan:
     pieces: tuple = ()  # this rank's pieces of the layout (``Layout.pieces``)
     carrier: Carrier | None = None
     moved: dict = field(default_factory=dict)  # the carrier's ``parts``
+    put: dict = field(default_factory=dict)  # ``where``, offsets in the bucket as reduced (-1: in ``moved``'s parts)
 
     def bounds(self, b: int) -> tuple[int, ...]:
         """Bucket ``b``'s rank bounds as it is reduced."""
@@ -112,11 +113,13 @@ def plan_of(layout: Layout, rank: int) -> Plan:
                 holes.append((at, a))
             at = max(at, z)
         gaps.append(tuple(holes))
-    carrier = carrier_of(layout.buffers, rank, layout.world_size)
+    carrier, put = carrier_of(layout.buffers, rank, layout.world_size), where
     if carrier is not None:
         sizes[carrier.bucket], gaps[carrier.bucket] = carrier.size, carrier.gaps
+        put = {i: (b, -1 if len(parts) > 1 else parts[0][0], n) if (parts := carrier.parts.get(i)) else (b, o, n)
+               for i, (b, o, n) in where.items()}
     return Plan(layout, where, tuple(sizes), tuple(owned), tuple(gaps), tuple(layout.pieces(rank)), carrier,
-                {} if carrier is None else carrier.parts)
+                {} if carrier is None else carrier.parts, put)
 
 
 _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel

@@ -302,7 +302,7 @@ class Reducer:
             return
         if not self._armed:
             self._begin(None)
-        where = self._plan.where.get(i)
+        where = self._plan.put.get(i)
         if where is None:  # no elements: in no bucket
             p.grad = None
             return
@@ -329,7 +329,7 @@ class Reducer:
             self.step_taken()
         plan, params = self._current_plan(), self._table().params
         left, pending, unreached = self._plans.reach()
-        regions = bool(unreached) and root is not None and self._reentrant_regions(root, unreached)
+        regions = bool(unreached) and root is not None and _reentrant_regions(self, root, unreached)
         held = [] if regions else [i for i in unreached if params[i].grad is not None]  # accumulated under no_sync()
         mirror, start = _check_plan(self, plan, pending.union(held), regions)
         if mirror is not None:  # this rank changed alone: [Note: the check at a backward] in _params.py
@@ -348,16 +348,8 @@ class Reducer:
         queue_end_of_backward(self._end_of_backward)
         self._launch_ready()
 
-    def _reentrant_regions(self, root, unreached: list[int]) -> bool:
-        """Whether a reentrant checkpoint region will run below ``root`` (the walk stops at the first; its
-        answer kept while the same params are unreached): see [Note: arming a backward]."""
-        key = tuple(unreached)
-        if self._regions_cache[0] != key:
-            self._regions_cache = (key, reentrant_region_below(root))
-        return self._regions_cache[1]
-
     def _put_grad(self, i: int, p: torch.Tensor, where: tuple[int, int, int] | None = None) -> None:
-        b, offset, numel = where or self._plan.where[i]
+        b, offset, numel = where or self._plan.put[i]
         g, held = p.grad, self._filling.get(b)
         if held is None:
             spec = self._plan.layout.buffers[b]
@@ -375,15 +367,18 @@ class Reducer:
             self._bucket(b)
             held = self._filling[b]
         bucket, _, n = held  # n: divided as they come (early_divisor)
-        parts = self._plan.moved.get(i)  # in the carrier: [Note: the check rides a bucket] in carrier.py
-        if parts is not None and len(parts) > 1:  # across a rank's header
-            for at, start, count in parts:
+        if offset < 0:  # across a rank's header in the carrier: [Note: the check rides a bucket] in carrier.py
+            for at, start, count in self._plan.moved[i]:
                 _into(bucket[at : at + count], g.reshape(-1)[start : start + count], n, i in self._placed)
         else:
-            offset = offset if parts is None else parts[0][0]
             slot, g = (bucket.as_strided(g.shape, g.stride(), bucket.storage_offset() + offset), g) \
                 if g.is_contiguous() else (bucket[offset : offset + numel], g.reshape(-1))  # as_strided: one call
-            _into(slot, g, n, i in self._placed)
+            if i in self._placed:  # a second grad in one backward (nested backwards)
+                _into(slot, g, n, True)
+            elif n == 1:
+                slot.copy_(g)
+            else:
+                torch.div(g, n, out=slot)  # [Note: dividing as the grads come]
         self._placed.add(i)
         p.grad = None
         self._shards.since.touched.add(i)
@@ -534,6 +529,15 @@ class Reducer:
         self._stand_ins.clear()
         self._shards.clear()
         self._pool.reset_peak_held()
+
+def _reentrant_regions(reducer: Reducer, root, unreached: list[int]) -> bool:
+    """Whether a reentrant checkpoint region will run below ``root`` (the walk stops at the first; its
+    answer kept while the same params are unreached): see [Note: arming a backward]."""
+    key = tuple(unreached)
+    if reducer._regions_cache[0] != key:
+        reducer._regions_cache = (key, reentrant_region_below(root))
+    return reducer._regions_cache[1]
+
 
 def _into_shard(reducer: Reducer, b: int, buf: torch.Tensor, direct: bool) -> None:
     """Bucket ``b``'s reduction is complete: where it was reduced in the bucket (accumulating in the bucket's
