@@ -225,12 +225,11 @@ class Shards:
     def shard(self, b: int, dtype: torch.dtype, device) -> torch.Tensor:
         """What buffer ``b``'s reduction writes: its shard, allocated (not zeroed) at its first use since the
         step; the carrier's with its header after it ([Note: the check rides a bucket] in carrier.py)."""
-        c = self.plan.carrier
-        carried = c is not None and c.bucket == b
+        carried = self.plan.carries(b)
         if self.tensors[b] is None:
             lo, hi = self.plan.owned[b]
             if carried:
-                self.carried = torch.empty(c.shard, dtype=dtype, device=device)
+                self.carried = torch.empty(self.plan.carrier.shard, dtype=dtype, device=device)
                 self.tensors[b] = self.carried[: hi - lo]
             else:
                 self.tensors[b] = torch.empty(hi - lo, dtype=dtype, device=device)

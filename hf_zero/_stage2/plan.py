@@ -90,13 +90,15 @@ class Plan:
     gaps: tuple[tuple[tuple[int, int], ...], ...]  # per buffer: the ranges no slot covers (alignment)
     pieces: tuple = ()  # this rank's pieces of the layout (``Layout.pieces``)
     carrier: Carrier | None = None
-    moved: dict = field(default_factory=dict)  # the carrier's ``parts``
-    put: dict = field(default_factory=dict)  # ``where``, offsets in the bucket as reduced (-1: in ``moved``'s parts)
+    put: dict = field(default_factory=dict)  # ``where``, offsets in the bucket as reduced (-1: in the carrier's parts)
+
+    def carries(self, b: int) -> bool:
+        """Whether bucket ``b`` is the carrier."""
+        return self.carrier is not None and self.carrier.bucket == b
 
     def bounds(self, b: int) -> tuple[int, ...]:
         """Bucket ``b``'s rank bounds as it is reduced."""
-        c = self.carrier
-        return c.bounds if c is not None and c.bucket == b else self.layout.buffers[b].bounds
+        return self.carrier.bounds if self.carries(b) else self.layout.buffers[b].bounds
 
 
 def plan_of(layout: Layout, rank: int) -> Plan:
@@ -118,8 +120,7 @@ def plan_of(layout: Layout, rank: int) -> Plan:
         sizes[carrier.bucket], gaps[carrier.bucket] = carrier.size, carrier.gaps
         put = {i: (b, -1 if len(parts) > 1 else parts[0][0], n) if (parts := carrier.parts.get(i)) else (b, o, n)
                for i, (b, o, n) in where.items()}
-    return Plan(layout, where, tuple(sizes), tuple(owned), tuple(gaps), tuple(layout.pieces(rank)), carrier,
-                {} if carrier is None else carrier.parts, put)
+    return Plan(layout, where, tuple(sizes), tuple(owned), tuple(gaps), tuple(layout.pieces(rank)), carrier, put)
 
 
 _DATA_PTR, _NUMEL = torch.Tensor.data_ptr, torch.Tensor.numel

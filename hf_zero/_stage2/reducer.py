@@ -368,7 +368,7 @@ class Reducer:
             held = self._filling[b]
         bucket, _, n = held  # n: divided as they come (early_divisor)
         if offset < 0:  # across a rank's header in the carrier: [Note: the check rides a bucket] in carrier.py
-            for at, start, count in self._plan.moved[i]:
+            for at, start, count in self._plan.carrier.parts[i]:
                 _into(bucket[at : at + count], g.reshape(-1)[start : start + count], n, i in self._placed)
         else:
             slot, g = (bucket.as_strided(g.shape, g.stride(), bucket.storage_offset() + offset), g) \
@@ -425,9 +425,10 @@ class Reducer:
         _, base, divisor = self._filling.pop(b)
         divided = divisor > 1
         # a bucket, pooled or fresh ([Note: bucket pool]), holds old values where no grad came
+        moved = self._plan.carrier.parts if self._plan.carries(b) else {}
         for s in self._plan.layout.buffers[b].slots:
             if s.index not in self._placed:
-                for at, _, count in self._plan.moved.get(s.index, ((s.offset, 0, s.numel),)):
+                for at, _, count in moved.get(s.index, ((s.offset, 0, s.numel),)):
                     buf[at : at + count].zero_()
         self._next = b + 1
         while len(self._in_flight) >= self.in_flight_limit:
@@ -543,7 +544,7 @@ def _into_shard(reducer: Reducer, b: int, buf: torch.Tensor, direct: bool) -> No
     """Bucket ``b``'s reduction is complete: where it was reduced in the bucket (accumulating in the bucket's
     dtype), add this backward's average to the shard's; the carrier's header is heard."""
     plan, shards = reducer._plan, reducer._shards
-    carried = plan.carrier is not None and plan.carrier.bucket == b
+    carried = plan.carries(b)
     if not direct:
         lo, hi = plan.bounds(b)[reducer.comm.rank : reducer.comm.rank + 2] if carried else plan.owned[b]
         (shards.carried if carried else shards.tensors[b]).add_(buf[lo:hi])
