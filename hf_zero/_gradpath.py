@@ -39,11 +39,13 @@ class GradientPath:
     ``stage``: 1, DDP reduces (through the comm hook when reduce-scattering); 2, hf_zero's
     own reducer (the ``_stage2`` package), bound to the model with :meth:`bind_module`; ``accumulate_dtype``: its
     shards' (``_stage2.accumulate_dtype``); ``check``: the optimizer's layout check at a syncing backward's start
-    (``_stage2.Reducer``'s, held weakly)."""
+    (``_stage2.Reducer``'s, held weakly); ``carry``: the optimizer's at stage 1, where a DDP bucket carries it
+    (held weakly: :meth:`carry_check`)."""
 
     def __init__(self, comm: Comm, *, facts: Callable[[], tuple], grad_reduce: str,
                  overlap_param_sync: bool | None, bucket_view: bool, stage: int = 1, shard: str = "flat",
-                 accumulate_dtype: torch.dtype | None = None, check: Callable | None = None):
+                 accumulate_dtype: torch.dtype | None = None, check: Callable | None = None,
+                 carry: Callable | None = None):
         self.comm = comm
         self.grad_reduce = "reduce_scatter" if stage == 2 else grad_reduce
         self._facts = weakref.WeakMethod(facts)  # () -> (ParamTable, current Layout or None)
@@ -61,6 +63,8 @@ class GradientPath:
         # binding over the same params unbinds it ([Note: a newer binding takes over] in _binding.py)
         self.binding = Binding(end=self.unbind)
         self._equal_layouts: tuple = ()  # see _same_layout
+        self._carry = _held_weakly(carry)
+        self._carrier: tuple = (None, None)  # (a layout, its carrier)
 
     def _table(self):
         return self._facts()()[0]
@@ -110,7 +114,24 @@ class GradientPath:
                 return None if b is None else layout.buffers[b].bounds
         return None
 
+    def check_carrier(self) -> tuple[int, ...] | None:
+        """The DDP bucket (its params) whose reduce-scatter carries the layout check ([Note: stage 1's check
+        rides a bucket] in _scatter_hook.py): the current layout's smallest one, where small enough."""
+        layout = self.layout
+        if self._carrier[0] is not layout:
+            self._carrier = (layout, _scatter_hook.carrier_of(layout, self.comm.world_size))
+        return self._carrier[1]
+
+    def carry_check(self, heard) -> bool:
+        """The layout check, as the carrier is reduced: whether this rank changed (its bit); the step reads
+        what ``heard`` hears."""
+        return bool(self._carry(heard)) if self._carry is not None else False
+
     # -- what the optimizer asks ----------------------------------------------------------
+    def staged_bytes(self) -> int:
+        """Stage 1: the bytes of the carrier's staged copy."""
+        return 0 if self.reducer is None else self.reducer.staged_bytes()
+
     @property
     def partial_grads(self) -> set[int]:
         """Params whose grads hold the average only in this rank's ranges until the next step."""

@@ -216,7 +216,8 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
         self._peaks = Peaks(_memory_now)  # [Note: memory ledger]
         self._grad = GradientPath(self._comm, facts=self._gradient_facts, grad_reduce=grad_reduce, stage=stage,
                                   shard=shard, overlap_param_sync=overlap_param_sync, bucket_view=parameters_as_bucket_view,
-                                  accumulate_dtype=accumulate, check=self._check_at_backward)
+                                  accumulate_dtype=accumulate, check=self._check_at_backward,
+                                  carry=self._check_at_hook)
         weakref.finalize(self, _collected, self._grad.binding, self._comm).atexit = False
         self._ready = True
 
@@ -271,6 +272,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
                            carried=None) -> bool | None:
         return _check_at_backward(self, presence, uncertain, buckets, carried)  # a method: the reducer holds it weakly
 
+    def _check_at_hook(self, heard) -> bool:
+        return _check_at_hook(self, heard)  # a method: the gradient path holds it weakly
+
     # -- step ----------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any):
@@ -316,11 +320,9 @@ class ZeroBucketOptimizer(torch.optim.Optimizer, _Joins):
     def _ensure_partition(self, force: bool, blocking: bool = True, payload: torch.Tensor | None = None) -> None:
         """``blocking``: every rank reads the layout check now; else a steady step reads it late ([Note: the layout check])."""
         mask, _, intact, need = _layout_now(self, self._grad.wanted_buckets)
-        if self._check.begin(self._comm, self._table, mask, need=force or need, fresh=not intact, blocking=blocking,
-                             payload=payload):
-            self.wait_param_sync()
-            self._rebuild()
-        elif not intact and not self._check.mirroring:  # storage replaced, the same params: this rank alone re-views
+        everyone = self._check.begin(self._comm, self._table, mask, need=force or need, fresh=not intact,
+                                     blocking=blocking, payload=payload)
+        if everyone or not (intact or self._check.mirroring):  # or storage replaced, the same params: this rank re-views
             self.wait_param_sync()
             self._rebuild()
 
@@ -569,11 +571,19 @@ def _check_at_backward(opt: ZeroBucketOptimizer, presence: torch.Tensor, uncerta
                                         fresh=not intact, payload=presence, uncertain=uncertain, carried=carried)
 
 
-def _layout_now(opt: ZeroBucketOptimizer, buckets: tuple) -> tuple:
-    """What the layout check starts from (after refusing an unresolved load): (``table.mask()``, whether the
-    partition must be rebuilt from a load, whether the params still have the storage it gave them, whether
-    this rank must re-partition: a load, a trainability change or other ``buckets`` to plan with)."""
-    opt._lifecycle.check_pending()
+def _check_at_hook(opt: ZeroBucketOptimizer, heard) -> bool:
+    """Stage 1's layout check as the DDP bucket that carries it is reduced ([Note: stage 1's check rides a bucket]
+    in _scatter_hook.py): this rank's bit. Not a collective."""
+    mask, reload_due, intact, need = _layout_now(opt, opt._grad.wanted_buckets, refuse=False)
+    return opt._check.at_hook(opt._table, (mask, reload_due), need=need, fresh=not intact, heard=heard)
+
+
+def _layout_now(opt: ZeroBucketOptimizer, buckets: tuple, refuse: bool = True) -> tuple:
+    """What the layout check starts from (after refusing an unresolved load, unless not ``refuse``): (``table.mask()``,
+    whether the partition must be rebuilt from a load, whether the params still have the storage it gave them,
+    whether this rank must re-partition: a load, a trainability change or other ``buckets`` to plan with)."""
+    if refuse:
+        opt._lifecycle.check_pending()
     live, mask = opt._live(), opt._table.mask()
     intact = opt._partition is not None and opt._partition.views_intact(opt._table.params)
     return mask, live is None, intact, live is None or mask != live.mask or live.layout.buckets != buckets
@@ -591,6 +601,20 @@ def _partition_for_step(opt: ZeroBucketOptimizer, grads, checked: bool) -> None:
             if opt._check.due or not (opt._partition is None or opt._partition.views_intact(opt._table.params)):
                 opt._rebuild()
             return
+    if opt._check.hooked is not None:  # [Note: stage 1's check rides a bucket] in _scatter_hook.py
+        mask, reload_due, intact, need = _layout_now(opt, opt._grad.wanted_buckets)
+        carried, at_backward = opt._check.at_carried_step(opt._comm, opt._table, (mask, reload_due), need=need,
+                                                          fresh=not intact)
+        if carried == "steady":
+            if not intact:  # storage replaced, the same params: this rank alone re-views
+                opt.wait_param_sync()
+                opt._rebuild()
+            return
+        if carried in ("mirror", "later"):  # "later": a trainability change since the backward waits for the next
+            return
+        with opt._table.trainable_as(at_backward if carried == "everyone" else mask):
+            opt._ensure_partition(force=carried == "everyone", blocking=False)
+        return
     opt._ensure_partition(force=False, blocking=False, payload=None if grads is None else grads.presence_flags())
 
 
@@ -632,7 +656,7 @@ def _ledger_of(opt: ZeroBucketOptimizer, reset_peaks: bool) -> MemoryLedger:
     now = _memory_now(opt)
     opt._peaks.watching = True
     peaks = {**opt._peaks.observe(now), **opt._grad.memory_peaks(reset_peaks)}
-    peaks["receive_scratch"] = opt._comm.scratch_peak(reset_peaks)  # observed as it is taken
+    peaks["receive_scratch"] = opt._comm.scratch_peak(reset_peaks) + opt._grad.staged_bytes()  # observed as taken
     ledger = MemoryLedger(**now, peaks={k: v for k, v in peaks.items() if v})
     if reset_peaks:
         opt._peaks.reset()
@@ -650,7 +674,7 @@ def _memory_now(opt: ZeroBucketOptimizer) -> dict[str, int]:
     for part in parts:
         for k, v in part.items():
             now[k] += v
-    now["receive_scratch"] = opt._comm.scratch_bytes()
+    now["receive_scratch"] = opt._comm.scratch_bytes() + opt._grad.staged_bytes()
     consolidated = opt._lifecycle.consolidated_tensors()
     if consolidated:  # it shares what rank ``to`` held whole with the live state: only the rest is its own
         live = [*params, *opt._lifecycle.parked_tensors(), *([] if opt._partition is None else opt._partition.tensors())]

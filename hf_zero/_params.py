@@ -7,6 +7,7 @@ checkpoints, the gradient path) numbers them the way this table does: in param-g
 
 from __future__ import annotations
 
+import contextlib
 from operator import attrgetter
 from typing import Iterable, Sequence
 
@@ -85,6 +86,19 @@ class ParamTable:
     def mask(self) -> tuple[bool, ...]:
         """Which params are trainable now."""
         return tuple(map(_REQUIRES_GRAD, self.params))
+
+    @contextlib.contextmanager
+    def trainable_as(self, mask: tuple[bool, ...]):
+        """Within: the params' ``requires_grad`` as in ``mask`` (what a backward saw); restored after."""
+        now = self.mask()
+        changed = [p for p, was, want in zip(self.params, now, mask) if was != want]
+        try:
+            for p in changed:
+                p.requires_grad_(not p.requires_grad)
+            yield
+        finally:
+            for p in changed:
+                p.requires_grad_(not p.requires_grad)
 
     def numels(self) -> dict[int, int]:
         return {i: p.numel() for i, p in enumerate(self.params)}
@@ -172,7 +186,8 @@ class LayoutCheck:
 
     [Note: the layout check]
     Each step every rank starts one small all-reduce of its params' fingerprint and whether it must
-    re-partition (``Comm.start_agreement``). A rank where nothing changed since the last agreed step (the
+    re-partition (``Comm.start_agreement``), unless a reduce bucket carried the check during the backward
+    (:meth:`at_hook`, [Note: stage 1's check rides a bucket] in _scatter_hook.py; stage 2 below). A rank where nothing changed since the last agreed step (the
     steady case) steps on and reads the result at the read point ([Note: reading an agreement late] in
     _comm.py): the end of the step on the CPU, the start of the next on an accelerator or with the overlapped
     parameter sync (whose pending collectives a dead peer would otherwise turn into a failed step). A rank where something
@@ -212,6 +227,8 @@ class LayoutCheck:
         self._uncertain = None  # the last begin's Agreement, whose second flag says the payload may be too wide
         self.at_backward: tuple | None = None  # the state a backward's check ran with since the step
         self.due = False  # a backward's check found every rank re-partitioning: the step does
+        # stage 1: (state, whether this rank changed, the Heard) where this step's backward's carrier carried the check
+        self.hooked: tuple | None = None
 
     def begin(self, comm, table: ParamTable, mask: tuple[bool, ...], *, need: bool, fresh: bool,
               blocking: bool, payload=None, uncertain: bool | None = None) -> bool:
@@ -231,6 +248,7 @@ class LayoutCheck:
             self._late = (agreement, False)
             return False
         if blocking or agreement.everyone:  # every rank reads now
+            self.hooked = None  # every rank agreed since a backward's carrier heard the check
             if not agreement.same:
                 raise table.disagreement(comm.all_gather_object(table.agreement_items(table.mask())))
             if agreement.anyone:  # the caller re-partitions now: a backward's check left nothing due
@@ -263,6 +281,41 @@ class LayoutCheck:
                               uncertain=uncertain)
         self.at_backward, self.due = state, self.due or everyone
         return None if self.mirroring else everyone
+
+    def at_hook(self, table: ParamTable, state: tuple, *, need: bool, fresh: bool, heard) -> bool:
+        """Stage 1, as the DDP bucket that carries the check is reduced ([Note: stage 1's check rides a bucket]
+        in _scatter_hook.py): whether this rank changed (its bit in the bucket); the step reads what ``heard``
+        hears (:meth:`at_carried_step`). ``state``: (``table.mask()``, whether the partition must be rebuilt
+        from a load)."""
+        changed = need or table.fingerprint(state[0], fresh=fresh) != self._agreed
+        self.hooked = (state, changed, heard)
+        return changed
+
+    def at_carried_step(self, comm, table: ParamTable, state: tuple, *, need: bool, fresh: bool) -> tuple:
+        """Stage 1's step after a backward whose carrier carried the check (:meth:`at_hook`): (what the step
+        does, the mask the backward saw). What the step does: ``"steady"``
+        (nothing changed: no collective, the check is read late), ``"mirror"`` (this rank changed and others
+        did not: it takes the step's collectives only, and every rank raises at the read point), ``"everyone"``
+        (every rank changed: the caller makes the check, every rank with it, with the mask the backward saw,
+        so a change since is left for the next one, as below), ``"later"`` (this rank's trainable
+        set changed since the backward, which told the others it had not: this step keeps the agreed layout, as
+        torch's optimizer steps a param frozen after its backward; the next backward's carrier carries the
+        change), ``"check"`` (a load, or params replaced with others, since the backward: the caller makes the
+        check, as stage 2 does; every rank must have done it alike)."""
+        self.read_late(comm, table)
+        (hooked, changed, heard), self.hooked = self.hooked, None
+        self.carried = self._uncertain = None
+        if changed:
+            if heard.changed == comm.world_size:
+                return "everyone", hooked[0]
+            self._late, self.mirroring = (heard, True), True
+            return "mirror", hooked[0]
+        if state[1] != hooked[1] or fresh and table.fingerprint(state[0], fresh=True) != self._agreed:
+            return "check", hooked[0]
+        self._late = (heard, False)
+        if state != hooked or need or table.fingerprint(state[0], fresh=fresh) != self._agreed:
+            return "later", hooked[0]
+        return "steady", hooked[0]
 
     def presence(self):
         """The last check's payload reduced (a callable), or None where some rank's payload was uncertain."""

@@ -35,6 +35,22 @@ flag is: the host reads nothing): GradScaler's
 GradScaler (``bind_ddp(grad_scaler=False)``, as the integrations pass when Accelerate has
 none) nothing skips steps, every rank steps, and the check is left out.
 
+[Note: stage 1's check rides a bucket]
+The layout check ([Note: the layout check] in _params.py) needs one bit from every rank each step: whether it
+changed (its trainable set or shapes, a load, ``refresh_trainable()``). DDP's buckets do not follow a rank's
+trainable set (DDP builds them once), so every rank reduces the same buckets whatever it changed, and the bit can
+ride one of them. The *carrier* is the smallest bucket of the current layout that this hook reduce-scatters, if
+it is at most ``_CARRIER_BYTES`` (DDP's first bucket is 1 MiB): every rank picks the same. Its reduce-scatter goes
+through a staged copy (kept between steps) in which each rank's range ends with :data:`~hf_zero._heard.HEADER`
+more elements, element ``x`` of rank ``r``'s range at ``x + HEADER * r``; every rank writes its bit into every
+rank's header, the reduction leaves each rank the count of ranks that changed, and this rank's range is copied
+back into DDP's bucket. The header goes to host memory when the bucket's collective is finished (on an
+accelerator a non-blocking copy and an event), and the step reads it (:class:`~hf_zero._heard.Heard`): a steady
+rank makes no collective for the check. The copy costs a pass over one small bucket where the check's all-reduce
+cost a launch and a meeting of the ranks. Two headers alternate, so the next backward's does not overwrite one a
+step reads late. The step makes the check itself (an all-reduce) where no bucket carried it: the first steps,
+all-reduced buckets, no bucket small enough.
+
 Only the last backward before a step may sync (DDP's ``no_sync()`` for the others):
 a second syncing backward would add new local grads to already reduce-scattered ones,
 which no reduction can undo, so it raises instead. ``optimizer.step()``,
@@ -49,7 +65,11 @@ import weakref
 
 import torch
 
+from ._comm import early_divisor
 from ._engine import queue_end_of_backward
+from ._heard import HEADER, Heard
+
+_CARRIER_BYTES = 4 << 20  # the largest bucket that carries the layout check: see the note
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +105,11 @@ class BucketReducer:
         # bucket index -> its buffer's storage (data pointer, bytes): this backward's, and the last syncing one's
         self._storages_now: dict[int, tuple[int, int]] = {}
         self._storages: dict[int, tuple[int, int]] = {}
+        # [Note: stage 1's check rides a bucket]: the carrier's staged copy, kept; the headers the step reads
+        self._staged: torch.Tensor | None = None
+        self._heads: torch.Tensor | None = None
+        self._heard = (Heard(self.comm), Heard(self.comm))
+        self._turn = 0
 
     def bucket_storages(self) -> set[tuple[int, int]]:
         """DDP's bucket storages (data pointer, bytes) in the last syncing backward (empty before the first): a ``p.grad`` in one of them is a bucket view, not a grad of its own."""
@@ -108,6 +133,23 @@ class BucketReducer:
         fut = torch.futures.Future()
         self._in_flight.append((fut, pending))
         return fut
+
+    def staged(self, size: int, like: torch.Tensor, heads: list[int], changed: bool) -> torch.Tensor:
+        """The carrier's staged copy: ``size`` elements of ``like``'s dtype, zeros where nothing is written,
+        this rank's bit ``changed`` in every rank's header (at ``heads``)."""
+        t = self._staged
+        if t is None or t.numel() != size or t.dtype != like.dtype or t.device != like.device:
+            self._staged = t = torch.zeros(size, dtype=like.dtype, device=like.device)
+            self._heads = torch.tensor(heads, device=like.device)
+        return t.index_fill_(0, self._heads, 1.0 if changed else 0.0)
+
+    def next_heard(self) -> Heard:
+        """Where this backward's carrier leaves its header (the other one may still be read late)."""
+        self._turn ^= 1
+        return self._heard[self._turn]
+
+    def staged_bytes(self) -> int:
+        return 0 if self._staged is None else self._staged.numel() * self._staged.element_size()
 
     def _finish_collectives(self) -> None:
         """Runs before DDP's finalizer: wait for each bucket's collective, finish it
@@ -188,7 +230,55 @@ def _hook(state: BucketReducer, bucket):  # unannotated: DDP checks a real annot
     rank, n = opt.comm.rank, buffer.numel()
     state.scattered.append(buffer[min(bounds[rank], n) : min(bounds[rank + 1], n)])
     state.scattered_params.update(composition)
+    if composition == opt.check_carrier():
+        heard = state.next_heard()
+        return state.defer(_Carried(state, opt.comm, buffer, bounds, opt.carry_check(heard), heard))
     return state.defer(opt.comm.reduce_scatter_(buffer, bounds))
+
+
+class _Carried:
+    """The carrier's reduce-scatter ([Note: stage 1's check rides a bucket]): started when made; :meth:`wait`
+    copies this rank's range back into DDP's ``buffer``, the header into ``heard``, and returns ``buffer``."""
+
+    def __init__(self, state: BucketReducer, comm, buffer: torch.Tensor, bounds, changed: bool, heard: Heard):
+        world, rank, n = comm.world_size, comm.rank, buffer.numel()
+        clipped = [min(b, n) for b in bounds]
+        moved = [b + HEADER * r for r, b in enumerate(bounds)]
+        staged = state.staged(moved[-1], buffer, [b - HEADER for b in moved[1:]], changed)
+        divisor = early_divisor(buffer.dtype, world)  # divided as copied in (a pass fewer), the headers not
+        chunk = bounds[1] - bounds[0]
+        if n == chunk * world and all(b - a == chunk for a, b in zip(bounds, bounds[1:])):
+            pairs = [(buffer.view(world, chunk), staged.view(world, chunk + HEADER)[:, :chunk])]
+        else:
+            pairs = [(buffer[a:z], staged[a + HEADER * r : z + HEADER * r])
+                     for r, (a, z) in enumerate(zip(clipped, clipped[1:]))]
+        for source, into in pairs:
+            if divisor > 1:
+                torch.div(source, divisor, out=into)
+            else:
+                into.copy_(source)
+        self._pending = comm.reduce_scatter_(staged, moved, divided=divisor > 1)
+        self._mine = buffer[clipped[rank] : clipped[rank + 1]]
+        at = clipped[rank] + HEADER * rank
+        self._reduced = staged[at : at + self._mine.numel()]
+        self._header = staged[moved[rank + 1] - HEADER : moved[rank + 1]]
+        self._buffer, self._heard = buffer, heard
+
+    def wait(self) -> torch.Tensor:
+        self._pending.wait()
+        self._mine.copy_(self._reduced)
+        self._heard.capture(self._header, self._buffer.dtype)
+        return self._buffer
+
+
+def carrier_of(layout, world_size: int) -> tuple[int, ...] | None:
+    """The params of ``layout``'s carrier bucket ([Note: stage 1's check rides a bucket]), or None."""
+    if layout is None or world_size == 1:
+        return None
+    sized = [(buf.size * buf.dtype.itemsize, buf.bucket) for buf in layout.buffers if buf.bucket is not None]
+    if not sized or min(sized)[0] > _CARRIER_BYTES:
+        return None
+    return layout.buckets[min(sized)[1]]
 
 
 def _no_optimizer() -> None:

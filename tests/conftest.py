@@ -48,6 +48,7 @@ SLOW_MODULES = frozenset({
     "test_stage2_join", "test_run_clm", "test_stage2_accumulation", "test_stage2_semantics", "test_peft_clip",
     "test_frozen_resume", "test_ledger", "test_binding", "test_fsdp_interop", "test_gpu_dry_run",
     "test_stage2_autograd_grad", "test_stage2_reading_grads", "test_hostpath", "test_takeover", "test_stage2_carrier",
+    "test_stage1_carrier",
 })
 
 

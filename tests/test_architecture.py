@@ -17,6 +17,7 @@ LAYERS = [
     "_layout",
     "_ledger",
     "_comm",
+    "_heard",
     "_params",
     "_grads",
     "_masters",

@@ -68,8 +68,8 @@ def test_hostpath_smoke_run(tmp_path):
     assert rows["ddp"]["cpu_ratio_median"] == 1.0
     assert rows["ddp"]["ratio_median"] == 1.0
     assert {n: c["reads"] for n, c in res["counts"].items()} == dict.fromkeys(hostpath.CONTENDERS, 0)
-    # a send and a receive for the reduce-scatter and the sync; stage 1's layout check (stage 2's rides a bucket)
-    assert res["counts"]["stage1"]["collectives"] >= 5 and res["counts"]["stage2"]["collectives"] >= 4
+    # a send and a receive for the reduce-scatter and the sync (the layout check rides a reduce bucket)
+    assert res["counts"]["stage1"]["collectives"] >= 4 and res["counts"]["stage2"]["collectives"] >= 4
     profiles = res["shapes"][shape]["profiles"]
     assert any(r["function"].startswith("hf_zero/") for r in profiles["stage2"])
     original = render.load

@@ -1,6 +1,6 @@
 """A steady step reads no tensor value on the host and makes DDP's collectives: the reduce buckets and the
-parameter sync, plus, at stage 1, one control all-reduce (the layout check; at stage 2 a reduce bucket carries it:
-[Note: the check rides a bucket] in hf_zero/_stage2/carrier.py).
+parameter sync. The layout check makes none of its own: a reduce bucket carries it ([Note: stage 1's check rides
+a bucket] in hf_zero/_scatter_hook.py, [Note: the check rides a bucket] in hf_zero/_stage2/carrier.py).
 
 On an accelerator every host read (``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``, ``.tolist()``,
 ``.numpy()``) waits for all queued work. benchmarks/hostpath.py counts them by wrapping those ``torch.Tensor``
@@ -54,7 +54,7 @@ def test_a_steady_step_reads_nothing_on_the_host(case):
 
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("ddp/")])
-def test_a_steady_step_makes_ddps_collectives_plus_stage_1s_layout_check(case):
+def test_a_steady_step_makes_ddps_collectives(case):
     name, _, opts = CASES[case]
     per_rank = _counted()
     for rank, result in enumerate(per_rank):
@@ -67,10 +67,9 @@ def test_a_steady_step_makes_ddps_collectives_plus_stage_1s_layout_check(case):
             # receive each
             p2p = (reductions + 1) * buffers
             assert calls.count("isend") == calls.count("irecv") == p2p, (rank, k, calls)
-            # the layout check (stage 2: none, its reduce bucket carries it); the norm's all-reduce with clipping;
-            # the non-finite agreement if asked for
-            checks = 0 if "stage2" in name else 1
-            assert calls.count("all_reduce") == checks + (opts.clip is not None) + opts.grad_scaler, (rank, k, calls)
+            # the norm's all-reduce with clipping; the non-finite agreement if asked for; none for the layout
+            # check, whose bits a reduce bucket carries
+            assert calls.count("all_reduce") == (opts.clip is not None) + opts.grad_scaler, (rank, k, calls)
             # the buffers: one coalesced broadcast, as DDP's
             assert calls.count("_broadcast_coalesced") == opts.norm, (rank, k, calls)
             assert len(calls) == 2 * p2p + calls.count("all_reduce") + opts.norm, (rank, k, calls)

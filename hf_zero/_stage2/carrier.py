@@ -29,15 +29,14 @@ buckets, several reducers over one module (their reductions run at the end of th
 from __future__ import annotations
 
 import bisect
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from .._comm import Comm, early_divisor
+from .._heard import HEADER, Heard, counts
 from .._layout import BufferPlan
 
-HEADER = 2  # elements at the end of each rank's range of the carrier: [changed, partial]
 
 
 @dataclass(frozen=True)
@@ -97,63 +96,6 @@ def write_flags(bucket: torch.Tensor, b: int, carrier: Carrier | None, flags: tu
                 bucket[at + j].fill_(v)
 
 
-def _counts(values, dtype: torch.dtype, world_size: int) -> tuple[int, int]:
-    """How many ranks set each bit, from a header reduced in ``dtype`` (a mean where divided after the sum)."""
-    scale = 1 if early_divisor(dtype, world_size) > 1 else world_size
-    return tuple(round(v * scale) for v in values)
-
-
-class Heard:
-    """The carrier's header as this rank's last reduction of it left it, read with no tensor read (an
-    :class:`~hf_zero._comm.Agreement`'s reading side: ``same``, ``anyone``, ``everyone``, ``extra``)."""
-
-    def __init__(self, comm: Comm):
-        self._comm = comm
-        self._host = None  # float32 (pinned on an accelerator), with a ctypes view
-        self._event, self._dtype = None, torch.float32
-
-    def capture(self, header: torch.Tensor, reduced_in: torch.dtype) -> None:
-        """``header``: the reduced header (its reduction waited for, on the current stream) of a bucket of
-        dtype ``reduced_in``."""
-        if self._host is None:
-            self._host = torch.zeros(HEADER, dtype=torch.float32, pin_memory=header.device.type == "cuda")
-            self._view = (ctypes.c_float * HEADER).from_address(self._host.data_ptr())
-        self._dtype = reduced_in
-        if header.device.type == "cpu":
-            self._host.copy_(header)
-        else:
-            self._host.copy_(header.float(), non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def _read(self) -> tuple[int, int]:
-        if self._host is None:
-            return (0, 0)
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
-        return _counts(self._view, self._dtype, self._comm.world_size)
-
-    @property
-    def same(self) -> bool:
-        """No rank changed."""
-        return self._read()[0] == 0
-
-    anyone = False
-    everyone = False
-
-    @property
-    def extra(self) -> bool:
-        """Some rank's presence flags were partial."""
-        return self._read()[1] > 0
-
-    def wait(self) -> None:
-        pass
-
-    def settle(self) -> None:
-        pass
-
-
 @dataclass(frozen=True)
 class Probed:
     """What a changed rank heard from its :func:`probe`: how many ranks changed, of ``world_size``."""
@@ -193,7 +135,7 @@ def probe(comm: Comm, plan) -> Probed:
         comm.reduce_scatter_(buf, c.bounds if carried else spec.bounds,
                              divided=early_divisor(spec.dtype, comm.world_size) > 1).wait()
     end = c.bounds[comm.rank + 1]
-    changed, _ = _counts(buf[end - HEADER : end].float().tolist(), buf.dtype, comm.world_size)
+    changed, _ = counts(buf[end - HEADER : end].float().tolist(), buf.dtype, comm.world_size)
     return Probed(changed, comm.world_size)
 
 
