@@ -140,7 +140,7 @@ class BucketReducer:
         t = self._staged
         if t is None or t.numel() != size or t.dtype != like.dtype or t.device != like.device:
             self._staged = t = torch.zeros(size, dtype=like.dtype, device=like.device)
-            self._heads = torch.tensor(heads, device=like.device)
+            self._heads = torch.tensor(heads).to(like.device, non_blocking=True)  # no host sync, on a rebuild either
         return t.index_fill_(0, self._heads, 1.0 if changed else 0.0)
 
     def next_heard(self) -> Heard:
