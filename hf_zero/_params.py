@@ -187,8 +187,8 @@ class LayoutCheck:
     [Note: the layout check]
     Each step every rank starts one small all-reduce of its params' fingerprint and whether it must
     re-partition (``Comm.start_agreement``), unless a reduce bucket carried the check during the backward
-    (:meth:`at_hook`, [Note: stage 1's check rides a bucket] in _scatter_hook.py; stage 2 below). A rank where nothing changed since the last agreed step (the
-    steady case) steps on and reads the result at the read point ([Note: reading an agreement late] in
+    (:meth:`at_hook`, [Note: stage 1's check rides a bucket] in _scatter_hook.py; stage 2 below). A rank
+    where nothing changed since the last agreed step (the steady case) steps on and reads the result at the read point ([Note: reading an agreement late] in
     _comm.py): the end of the step on the CPU, the start of the next on an accelerator or with the overlapped
     parameter sync (whose pending collectives a dead peer would otherwise turn into a failed step). A rank where something
     changed (its trainable set or shapes, a load, ``refresh_trainable()``, the first step) reads at once. If
