@@ -107,7 +107,7 @@ class BucketReducer:
         self._storages: dict[int, tuple[int, int]] = {}
         # [Note: stage 1's check rides a bucket]: the carrier's staged copy, kept; the headers the step reads
         self._staged: torch.Tensor | None = None
-        self._heads: torch.Tensor | None = None
+        self._heads: tuple[tuple[int, ...], torch.Tensor] | None = None  # (positions, them on the device)
         self._heard = (Heard(self.comm), Heard(self.comm))
         self._turn = 0
 
@@ -137,11 +137,12 @@ class BucketReducer:
     def staged(self, size: int, like: torch.Tensor, heads: list[int], changed: bool) -> torch.Tensor:
         """The carrier's staged copy: ``size`` elements of ``like``'s dtype, zeros where nothing is written,
         this rank's bit ``changed`` in every rank's header (at ``heads``)."""
-        t = self._staged
-        if t is None or t.numel() != size or t.dtype != like.dtype or t.device != like.device:
+        t, heads = self._staged, tuple(heads)
+        if t is None or (t.numel(), t.dtype, t.device, self._heads[0]) != (size, like.dtype, like.device, heads):
+            # another carrier, or the same one's ranks moved: a header left where data now lies would be summed
             self._staged = t = torch.zeros(size, dtype=like.dtype, device=like.device)
-            self._heads = torch.tensor(heads).to(like.device, non_blocking=True)  # no host sync, on a rebuild either
-        return t.index_fill_(0, self._heads, 1.0 if changed else 0.0)
+            self._heads = (heads, torch.tensor(heads).to(like.device, non_blocking=True))  # no host sync
+        return t.index_fill_(0, self._heads[1], 1.0 if changed else 0.0)
 
     def next_heard(self) -> Heard:
         """Where this backward's carrier leaves its header (the other one may still be read late)."""

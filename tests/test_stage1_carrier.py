@@ -10,6 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hf_zero
 from hf_zero import _scatter_hook
+from hf_zero._comm import Comm
 from hf_zero._layout import plan_layout
 from hf_zero._params import ParamSpec
 from tests._dist import run_ranks
@@ -44,8 +45,8 @@ def _train(rank, world_size, changes, *, dtype=torch.float64, overlap=False, no_
     model = _model(dtype)
     _apply(model, changes, -1, rank, "before")
     ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=BUCKET_MB, gradient_as_bucket_view=True)
-    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=0.05, grad_reduce="reduce_scatter",
-                                      overlap_param_sync=overlap)
+    opt = hf_zero.ZeroBucketOptimizer(model.named_parameters(), torch.optim.AdamW, lr=0.05,
+                                      grad_reduce="reduce_scatter", overlap_param_sync=overlap)
     opt.bind_ddp(ddp, grad_scaler=False)  # no non-finite agreement: the all-reduces counted are the check's
     calls, reduce = [], dist.all_reduce
 
@@ -105,6 +106,24 @@ def test_the_carrier_is_the_smallest_bucket_every_rank_picks_alike():
         assert _scatter_hook.carrier_of(layout, world_size) == buckets[smallest]
         assert _scatter_hook.carrier_of(layout, 1) is None  # one rank: nothing to agree on
     assert _scatter_hook.carrier_of(None, 2) is None  # no layout yet (the first step)
+
+
+@pytest.mark.fast
+def test_the_staged_copy_follows_the_headers_when_the_ranks_move():
+    """The same size with other rank bounds (another carrier, or a re-partition): the bit goes to the new headers
+    only, and nothing is left where the old ones were."""
+
+    class Optimizer:
+        comm = Comm()
+
+    state = _scatter_hook.BucketReducer(Optimizer())
+    like = torch.zeros(1)
+    first = state.staged(10, like, [3, 9], True)
+    assert first.nonzero().flatten().tolist() == [3, 9]
+    first[:] = 5.0  # the last step's data, written over the whole copy
+    again = state.staged(10, like, [4, 9], True)
+    assert again.nonzero().flatten().tolist() == [4, 9]
+    assert state.staged(10, like, [4, 9], False).nonzero().numel() == 0
 
 
 @pytest.mark.timeout(120)
