@@ -16,7 +16,8 @@ counted once (bucket views share the flat buffer; a tied weight is one param):
 - ``masters``: fp32 master weights of this rank's 16-bit pieces (parked ones included);
 - ``optimizer_state``: the local optimizer's state tensors (moments, ``step``), parked ones included;
 - ``upcast_scratch``: fp32 room the step upcasts 16-bit grads into; ``receive_scratch``: the
-  reduce-scatters' receive buffer and, at stage 1, the staged copy of the bucket that carries the layout check; ``consolidation``: a consolidated state dict held for
+  reduce-scatters' receive buffer and, at stage 1, the staged copy of the bucket that carries the layout
+  check; ``consolidation``: a consolidated state dict held for
   ``state_dict()``.
 
 Peaks are the most each category held at the moments it was observed since the last reset: every

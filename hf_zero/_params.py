@@ -188,10 +188,11 @@ class LayoutCheck:
     Each step every rank starts one small all-reduce of its params' fingerprint and whether it must
     re-partition (``Comm.start_agreement``), unless a reduce bucket carried the check during the backward
     (:meth:`at_hook`, [Note: stage 1's check rides a bucket] in _scatter_hook.py; stage 2 below). A rank
-    where nothing changed since the last agreed step (the steady case) steps on and reads the result at the read point ([Note: reading an agreement late] in
-    _comm.py): the end of the step on the CPU, the start of the next on an accelerator or with the overlapped
-    parameter sync (whose pending collectives a dead peer would otherwise turn into a failed step). A rank where something
-    changed (its trainable set or shapes, a load, ``refresh_trainable()``, the first step) reads at once. If
+    where nothing changed since the last agreed step (the steady case) steps on and reads the result at the
+    read point ([Note: reading an agreement late] in _comm.py): the end of the step on the CPU, the start of
+    the next on an accelerator or with the overlapped parameter sync (whose pending collectives a dead peer
+    would otherwise turn into a failed step). A rank where something changed (its trainable set or shapes, a
+    load, ``refresh_trainable()``, the first step) reads at once. If
     every rank is such a rank and the fingerprints agree, every rank re-partitions now. Otherwise some rank
     is steady and steps with the current layout: the changed ranks *mirror* it, taking the step's collectives
     (the parameter sync) without stepping their own pieces, and at the read point every rank raises the same
@@ -310,10 +311,11 @@ class LayoutCheck:
                 return "everyone", hooked[0]
             self._late, self.mirroring = (heard, True), True
             return "mirror", hooked[0]
-        if state[1] != hooked[1] or fresh and table.fingerprint(state[0], fresh=True) != self._agreed:
+        fp = table.fingerprint(state[0], fresh=fresh)
+        if state[1] != hooked[1] or fresh and fp != self._agreed:
             return "check", hooked[0]
         self._late = (heard, False)
-        if state != hooked or need or table.fingerprint(state[0], fresh=fresh) != self._agreed:
+        if state != hooked or need or fp != self._agreed:
             return "later", hooked[0]
         return "steady", hooked[0]
 

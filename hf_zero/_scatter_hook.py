@@ -276,10 +276,9 @@ def carrier_of(layout, world_size: int) -> tuple[int, ...] | None:
     """The params of ``layout``'s carrier bucket ([Note: stage 1's check rides a bucket]), or None."""
     if layout is None or world_size == 1:
         return None
-    sized = [(buf.size * buf.dtype.itemsize, buf.bucket) for buf in layout.buffers if buf.bucket is not None]
-    if not sized or min(sized)[0] > _CARRIER_BYTES:
-        return None
-    return layout.buckets[min(sized)[1]]
+    smallest = min(((buf.size * buf.dtype.itemsize, buf.bucket) for buf in layout.buffers if buf.bucket is not None),
+                   default=(_CARRIER_BYTES + 1, None))
+    return layout.buckets[smallest[1]] if smallest[0] <= _CARRIER_BYTES else None
 
 
 def _no_optimizer() -> None:
