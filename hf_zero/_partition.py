@@ -149,11 +149,17 @@ class Partition:
             states.append(_placed(state, lp.tensor) if state else {})
         tensors, groups = [lp.tensor for lp in pieces], [table.group_of[lp.piece.index] for lp in pieces]
         made, run_states, first_of = [], [], {}
-        if runs and layout.shard == "flat" and all(lp.master is None for lp in pieces):
+        if runs and layout.shard == "flat":
             # where grads come in a bucket's order (DDP's, stage 2's): elsewhere they are not back to back
             eligible = [layout.buffers[lp.piece.buffer].bucket is not None for lp in pieces]
-            for members in plan_runs(tensors, groups, states, eligible=eligible):
-                run, st = make_run(tensors, members, states)
+            places = [lp.view for lp in pieces]  # where a master's piece lies: its 16-bit view
+            for members in plan_runs(tensors, groups, states, eligible=eligible, places=places):
+                mastered = pieces[members[0]].master is not None
+                run, st = make_run(tensors, members, states, places=places if mastered else None)
+                for k, m in enumerate(members if mastered else ()):  # each master becomes its slice of the run's
+                    lp = pieces[m]
+                    lp.master.tensor = tensors[m] = run.tensor[run.starts[k] : run.starts[k + 1]]
+                    pieces[m] = replace(lp, tensor=lp.master.tensor)
                 first_of[members[0]] = len(made)
                 made.append(run)
                 run_states.append(st)
@@ -358,7 +364,8 @@ class Partition:
                             lp.master.set_grad(g, None if g is None else scratch[d][at : at + n])
                         else:  # a float32 stage-2 shard of a 16-bit param stepped without a master: rounded once
                             lp.tensor.grad = g if g is None or g.dtype == lp.tensor.dtype else g.to(lp.tensor.dtype)
-                    given = self._runs.give_grads(run_grads, self.inner) if run_grads else ()
+                    given, rounds = self._runs.give_grads(run_grads, self.inner, _upcaster(scratch, used)) \
+                        if run_grads else ((), ())
                 with _labelled("step"):
                     out = step_inner(**kwargs)
                 loss = out if loss is None else loss
@@ -367,6 +374,10 @@ class Partition:
                         if lp.master is not None and lp.tensor.grad is not None:
                             lp.master.write_back()
                         lp.tensor.grad = None
+                    for master, view, masters in rounds:  # a run of masters: rounded in one copy
+                        view.copy_(master)
+                        for m in masters:
+                            m.stepped = True
                     for t in given:
                         t.grad = None
                 if buffer_done is not None and i + 1 < len(chunks):
@@ -421,8 +432,9 @@ class Partition:
             return [self.pieces]
         chunks, size = [[]], 0
         for lp in self.pieces:
-            if chunks[-1] and ((masters and size + lp.tensor.numel() > _chunk_elements(lp.tensor.device))
-                               or (by_buffer and lp.piece.buffer != chunks[-1][-1].piece.buffer)):
+            unit = self._runs.unit(lp)  # a run is never cut: its pieces are stepped as one tensor
+            if chunks[-1] and unit and ((masters and size + unit > _chunk_elements(lp.tensor.device))
+                                        or (by_buffer and lp.piece.buffer != chunks[-1][-1].piece.buffer)):
                 chunks.append([])
                 size = 0
             chunks[-1].append(lp)
@@ -465,6 +477,17 @@ class Partition:
                             flat[a - start : z - start].copy_(buf[a:z])
 
 
+def _upcaster(scratch: dict[torch.device, torch.Tensor], used: dict[torch.device, int]):
+    """A 16-bit grad's elements upcast into the next unused slice of the chunk's fp32 ``scratch``."""
+    def upcast(g: torch.Tensor) -> torch.Tensor:
+        d, n = g.device, g.numel()
+        at = used.get(d, 0)
+        used[d] = at + n
+        return scratch[d][at : at + n].copy_(g)
+
+    return upcast
+
+
 def _labelled(part: str):
     """The profiler label of a part of the step; nothing while no profiler runs (a label costs microseconds,
     several times a step)."""
@@ -476,12 +499,12 @@ _UNLABELLED = contextlib.nullcontext()
 
 def _chunk_elements(device: torch.device) -> int:
     """[Note: masters in chunks] A chunk of a masters step is upcast, stepped and rounded before
-    the next one: on the CPU one piece at most (1M elements, 4 MiB of fp32 grads: [Note: chunked
-    pieces] in _layout.py), so that the step reads the upcast grads, and the round the masters it
-    just wrote, from the cache, not from memory (rank 0's share of the e2e bf16 GPT-2, one
-    process: 1.28 ns per element against 1.41 with 8M-element chunks, 12 interleaved steps);
-    on an accelerator 8M elements (a kernel launch per part per chunk; a piece is a whole param
-    there, a chunk at least one piece)."""
+    the next one: on the CPU 1M elements at most (4 MiB of fp32 grads: the longest piece, [Note:
+    chunked pieces] in _layout.py, and the longest run), so that the step reads the upcast grads,
+    and the round the masters it just wrote, from the cache, not from memory (rank 0's share of
+    the e2e bf16 GPT-2, one process: 1.28 ns per element against 1.41 with 8M-element chunks, 12
+    interleaved steps); on an accelerator 8M elements (a kernel launch per part per chunk). A
+    chunk holds at least one piece, and a run ([Note: runs] in _runs.py) is never cut."""
     return _CPU_GRAD_CHUNK_ELEMENTS if device.type == "cpu" else _GRAD_CHUNK_ELEMENTS
 
 

@@ -693,8 +693,9 @@ def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 
             shape = shapes[pc.index] if shapes is not None and shard == "param" else (pc.numel,)
             state += state_bytes(shape, pc.numel, optimizer=optimizer, itemsize=4 if half else size[s.dtype])
             masters += 4 * pc.numel if half else 0
-        if optimizer == "adamw" and not masters and (stage == 2 or ddp_bucket_view):  # a run: one tensor, one step
-            state -= _STEP_BYTES * _joined(layout, pieces, specs, size)
+        if optimizer == "adamw" and (stage == 2 or ddp_bucket_view):  # a run: one tensor, one step
+            stepped = {dt: 4 if master_weights and n < 4 else n for dt, n in size.items()}  # a master's fp32
+            state -= _STEP_BYTES * _joined(layout, pieces, specs, stepped)
         if stage == 2:
             widen, carrier = accumulate_dtype(grad_accum_dtype, stage), carrier_of(layout.buffers, r, world_size)
             for k, b in enumerate(layout.buffers):
@@ -723,7 +724,8 @@ def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 
 
 
 def _joined(layout, pieces, specs, size) -> int:
-    """How many of a rank's ``pieces`` join the one before in a run ([Note: runs] in _runs.py)."""
+    """How many of a rank's ``pieces`` join the one before in a run ([Note: runs] in _runs.py); ``size``: the
+    bytes of an element the local optimizer steps, per param dtype."""
     if layout.shard != "flat":
         return 0
     joined, prev, run = 0, None, 0

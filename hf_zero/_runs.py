@@ -15,10 +15,14 @@ a tensor's last partial register another way (torch's fused AdamW rounds it diff
 
 - A run is formed when a partition is built, in buffers laid out as a reduce bucket (DDP's
   with the reduce-scatter and ``gradient_as_bucket_view``, stage 2's), where each step's
-  grads lie in the buffer's order, only where no piece has a master (the fp32 copy a master
-  steps is a tensor of its own), up to ``_MAX_RUN_ELEMENTS`` elements. The
+  grads lie in the buffer's order, up to ``_MAX_RUN_ELEMENTS`` elements. The
   pieces' held state (moved or loaded) is copied into the run's, one key at a time, each
   piece's dropped as it goes: a rebuild holds one run's key more at most.
+- Pieces with fp32 masters (16-bit params, [Note: master weights] in _masters.py) form runs
+  too: the run's tensor is one fp32 master for its pieces (each piece's master a slice of
+  it), its :attr:`Run.view` the span of their 16-bit pieces. Its grad is the span of the
+  16-bit grads upcast in one copy, and the step rounds it into :attr:`Run.view` in one copy;
+  adjacency is the 16-bit pieces', the vector registers the fp32 masters'.
 - Each step gives a run one grad: the span of its pieces' grads, which lie back to back in
   one storage (DDP's buckets with ``gradient_as_bucket_view``, stage 2's shards).
 - A step where they do not (grads of their own), or where some pieces of a run have a grad
@@ -49,31 +53,42 @@ _LANES_BYTES = 64
 @dataclass(eq=False)
 class Run:
     """Pieces ``members`` (positions in the partition's pieces) stepped as ``tensor``; member k is
-    ``tensor[starts[k]:starts[k + 1]]``."""
+    ``tensor[starts[k]:starts[k + 1]]``. ``view``: for pieces with masters, the span of their 16-bit
+    pieces, which ``tensor`` (their fp32 master) is rounded into after a step; else None."""
 
     tensor: torch.Tensor
     members: tuple[int, ...]
     starts: tuple[int, ...]
+    view: torch.Tensor | None = None
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """The dtype of the grads its pieces' params take (16-bit for masters)."""
+        return (self.tensor if self.view is None else self.view).dtype
 
 
 def plan_runs(tensors: Sequence[torch.Tensor], groups: Sequence[int], states: Sequence[dict],
-              eligible: Sequence[bool]) -> list[tuple[int, ...]]:
+              eligible: Sequence[bool], places: Sequence[torch.Tensor] | None = None) -> list[tuple[int, ...]]:
     """The runs (two pieces or more) of consecutive pieces: 1-D ``tensors`` back to back in one storage,
     one group, one dtype, all ``eligible``, with no state or the same keys and scalars (compared on the
-    host: a rebuild is a cold path), at most ``_MAX_RUN_ELEMENTS`` elements."""
+    host: a rebuild is a cold path), at most ``_MAX_RUN_ELEMENTS`` elements. ``places``: where they lie
+    back to back instead, where ``tensors`` are masters (the 16-bit pieces, one dtype too)."""
+    places = tensors if places is None else places
     runs, current, size = [], [], 0
     for k, t in enumerate(tensors):
         if current:
             last = current[-1]
             prev = tensors[last]
             if not (eligible[k] and groups[k] == groups[last] and t.dtype == prev.dtype and t.dim() == 1
-                    and may_follow(prev.numel() * prev.element_size(), size, t.numel()) and _follows(prev, t)
+                    and places[k].dtype == places[last].dtype and t.is_contiguous()
+                    and may_follow(prev.numel() * prev.element_size(), size, t.numel())
+                    and _follows(places[last], places[k])
                     and _same_scalars(states[current[0]], states[k], tensors[current[0]].shape, t.shape)):
                 if len(current) > 1:
                     runs.append(tuple(current))
                 current, size = [], 0
         if not current:
-            if not (eligible[k] and t.dim() == 1 and t.is_contiguous()):
+            if not (eligible[k] and t.dim() == 1 and t.is_contiguous() and places[k].is_contiguous()):
                 continue
         current.append(k)
         size += t.numel()
@@ -110,14 +125,24 @@ def _same_scalars(first: dict, other: dict, first_shape, shape) -> bool:
     return True
 
 
-def make_run(tensors: Sequence[torch.Tensor], members: tuple[int, ...], states: list[dict]) -> tuple[Run, dict]:
+def make_run(tensors: Sequence[torch.Tensor], members: tuple[int, ...], states: list[dict],
+             places: Sequence[torch.Tensor] | None = None) -> tuple[Run, dict]:
     """The run of ``members`` and its state, from the members' ``states`` (emptied as they are read, so
-    that each piece's state is freed once copied where nothing else holds it)."""
+    that each piece's state is freed once copied where nothing else holds it). ``places``: the 16-bit
+    pieces, where ``tensors`` are their masters: the run's tensor is then the masters in one tensor (the
+    caller makes each member's master its slice of it)."""
     first = tensors[members[0]]
     starts = [0]
     for k in members:
         starts.append(starts[-1] + tensors[k].numel())
-    run = Run(first.as_strided((starts[-1],), (1,)), members, tuple(starts))
+    if places is None:
+        run = Run(first.as_strided((starts[-1],), (1,)), members, tuple(starts))
+    else:
+        masters = [tensors[k] for k in members]
+        span = _span(masters)
+        run = Run(torch.cat(masters) if span is None else span, members, tuple(starts),
+                  places[members[0]].as_strided((starts[-1],), (1,)))
+        del masters
     merged: dict[str, Any] = {}
     for key in list(states[members[0]]):
         values = [states[k].pop(key) for k in members]
@@ -159,7 +184,7 @@ def run_grad(run: Run, grads: list, pieces: Sequence) -> torch.Tensor | None | b
     missing = any(g is None for g in grads)  # not ``None in grads``: that compares tensors with ==
     if first is None or missing:
         return None if all(g is None for g in grads) else False
-    if first.dtype != run.tensor.dtype:
+    if first.dtype != run.grad_dtype:
         return False
     size = first.element_size()
     ptrs = list(map(torch.Tensor.data_ptr, grads))
@@ -184,6 +209,7 @@ class Runs:
     def __init__(self, runs: Sequence[Run] = (), pieces: Sequence = ()):
         self._live = dict(enumerate(runs))
         self._tensors = tuple(p.tensor for p in pieces)  # each piece's tensor, by position
+        self._masters = tuple(p.master for p in pieces)  # each piece's master (or None), by position
         self._ids = tuple(map(id, pieces))
         self.member = {self._ids[m]: (r, k) for r, run in self._live.items() for k, m in enumerate(run.members)}
         # each run's pieces' layout pieces (``piece.piece``) and their params, for a grad that comes as one span
@@ -208,22 +234,34 @@ class Runs:
 
     def span_grad(self, r: int, grad_of):
         """Run ``r``'s grad from stage 2's shards (``grad_of``: ``grad_of(piece)``, ``grad_of.span(pieces)``): one
-        span of them, in the run's dtype; where some of its params have a grad and others none, its members'
-        grads (for :meth:`give_grads`, which splits it)."""
-        pieces, dtype = self._spans[r], self._live[r].tensor.dtype
+        span of them, in the run's dtype (a master run's as the shards hold it: :meth:`give_grads` upcasts it);
+        where some of its params have a grad and others none, its members' grads (for :meth:`give_grads`,
+        which splits it)."""
+        run, pieces = self._live[r], self._spans[r]
+        dtype = None if run.view is not None else run.tensor.dtype
         grad = grad_of.span(pieces, self._params[r])
         if grad is False:
-            return _Split(g if g is None else g.to(dtype) for g in map(grad_of, pieces))
-        return grad if grad is None or grad.dtype == dtype else grad.to(dtype)
+            return _Split(g if g is None or dtype is None else g.to(dtype) for g in map(grad_of, pieces))
+        return grad if grad is None or dtype is None or grad.dtype == dtype else grad.to(dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [run.tensor for run in self._live.values()]
 
-    def give_grads(self, run_grads: dict[int, Any], optimizer) -> list[torch.Tensor]:
+    def unit(self, piece) -> int:
+        """The elements stepped with ``piece`` as one unit, starting with it: its run's where it is a run's
+        first piece, 0 where it is a later one, else its own."""
+        at = self.member.get(id(piece))
+        if at is None:
+            return piece.tensor.numel()
+        return self._live[at[0]].starts[-1] if at[1] == 0 else 0
+
+    def give_grads(self, run_grads: dict[int, Any], optimizer, upcast=None) -> tuple[list[torch.Tensor], list]:
         """Give each run of ``run_grads`` its grad: run -> a list of its members' params' grads (``p.grad``), or
         what :meth:`span_grad` gave. A run whose members' grads cannot be one splits, and each member takes its
-        own. Returns the tensors given grads."""
-        given = []
+        own. ``upcast(grad)``: a 16-bit grad's elements in fp32 (room the caller reuses), for runs of masters.
+        Returns the tensors given grads, and what to round after the step: (a master run's tensor, the span
+        of its 16-bit pieces, its pieces' masters) for each master run (or member of a split one) given a grad."""
+        given, rounds = [], []
         for r, grads in run_grads.items():
             run, pieces = self._live[r], self._spans[r]
             grad = run_grad(run, grads, pieces) if isinstance(grads, list) else grads
@@ -232,12 +270,19 @@ class Runs:
                     grads = [g if g is None else g.ravel()[pc.start : pc.stop] for g, pc in zip(grads, pieces)]
                 self.split(r, optimizer)
                 for m, g in zip(run.members, grads):
+                    master = self._masters[m]
+                    if master is not None and g is not None:
+                        g = upcast(g)
+                        rounds.append((master.tensor, master.view, (master,)))
                     self._tensors[m].grad = g
                     given.append(self._tensors[m])
             else:
+                if run.view is not None and grad is not None:
+                    grad = upcast(grad)
+                    rounds.append((run.tensor, run.view, tuple(self._masters[m] for m in run.members)))
                 run.tensor.grad = grad
                 given.append(run.tensor)
-        return given
+        return given, rounds
 
     def split(self, r: int, optimizer) -> None:
         """Run ``r``'s pieces become ``optimizer``'s params again, each with its slice of the run's state."""

@@ -1,8 +1,9 @@
 """Runs ([Note: runs] in hf_zero/_runs.py): adjacent flat pieces of one param group stepped as one tensor
 give every element the update it gets when each piece is stepped alone, bit for bit, through rebuilds
 (freeze, unfreeze), a step where some of a run's params have no grad (the run splits), and a sharded
-checkpoint resumed. Each run of 2 gloo ranks trains twice, with runs and with them turned off
-(``hf_zero._runs._MAX_RUN_ELEMENTS = 0`` in that rank's process), and compares."""
+checkpoint resumed; so do runs of fp32 masters of a bf16 model (their masters and state included). Each
+run of 2 gloo ranks trains twice, with runs and with them turned off (``hf_zero._runs._MAX_RUN_ELEMENTS = 0``
+in that rank's process), and compares."""
 
 import os
 from types import SimpleNamespace
@@ -117,18 +118,18 @@ def test_a_run_takes_its_pieces_grads_only_where_they_are_back_to_back():
 # -- training: with runs and without, bit for bit --------------------------------------------------------
 class Blocks(nn.Module):
     """Four blocks of Linear + LayerNorm (many small params side by side), a head; ``skip`` leaves a block
-    out of the forward (its params get no grad)."""
+    out of the forward (its params get no grad). float64, or bfloat16 (stepped through fp32 masters)."""
 
     width = 8
 
-    def __init__(self):
+    def __init__(self, dtype=torch.float64):
         super().__init__()
         torch.manual_seed(0)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(self.width, self.width), nn.LayerNorm(self.width))
                                     for _ in range(4))
         self.head = nn.Linear(self.width, 2)
         self.skip = None
-        self.double()
+        self.to(dtype)
 
     def forward(self, x, y):
         for k, block in enumerate(self.blocks):
@@ -137,10 +138,10 @@ class Blocks(nn.Module):
         return F.mse_loss(self.head(x), y)
 
     @staticmethod
-    def batch(step, n):
+    def batch(step, n, dtype=torch.float64):
         g = torch.Generator().manual_seed(5000 + step)
-        return torch.randn(n, Blocks.width, generator=g, dtype=torch.float64), \
-            torch.randn(n, 2, generator=g, dtype=torch.float64)
+        return torch.randn(n, Blocks.width, generator=g, dtype=torch.float64).to(dtype), \
+            torch.randn(n, 2, generator=g, dtype=torch.float64).to(dtype)
 
 
 OPTIMIZERS = {
@@ -163,15 +164,21 @@ def _schedule(model, step):
     model.skip = 2 if step == SKIP_AT else None
 
 
-def _train(rank, world_size, stage, optimizer, groups, directory, runs):
+# the model's dtype: float64, or bfloat16 with fp32 masters (stage 2's shards in bf16, or "-fp32": in fp32)
+DTYPES = {"float64": (torch.float64, {}), "bfloat16": (torch.bfloat16, {}),
+          "bfloat16-fp32": (torch.bfloat16, {"grad_accum_dtype": "fp32"})}
+
+
+def _train(rank, world_size, stage, optimizer, groups, dtype, directory, runs):
     import hf_zero
 
-    model = Blocks()
+    dt, extra = DTYPES[dtype]
+    model = Blocks(dt)
     cls, hyper = OPTIMIZERS[optimizer]
 
     def make():
         opt = hf_zero.ZeroBucketOptimizer(_groups(model, groups), cls, stage=stage, grad_reduce="reduce_scatter",
-                                          **hyper)
+                                          **hyper, **extra)
         if stage == 1:
             opt.bind_ddp(ddp)
         else:
@@ -181,10 +188,10 @@ def _train(rank, world_size, stage, optimizer, groups, directory, runs):
     ddp = DDP(model, find_unused_parameters=True, gradient_as_bucket_view=True) if stage == 1 else None
     forward = ddp if stage == 1 else model
     opt, counts = make(), []
-    path = os.path.join(directory, f"{stage}-{optimizer}-{groups}-{runs}")
+    path = os.path.join(directory, f"{stage}-{optimizer}-{groups}-{dtype}-{runs}")
     for step in range(STEPS):
         _schedule(model, step)
-        x, y = Blocks.batch(step, BATCH * world_size)
+        x, y = Blocks.batch(step, BATCH * world_size, dt)
         forward(x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]).backward()
         opt.step()
         opt.zero_grad()
@@ -220,7 +227,10 @@ def _reference(world_size, optimizer, groups):
     return [p.detach().clone() for p in model.parameters()]
 
 
-CASES = [(stage, optimizer, groups) for stage in (1, 2) for optimizer in OPTIMIZERS for groups in ("one", "decay")]
+CASES = [(stage, optimizer, groups, "float64") for stage in (1, 2) for optimizer in OPTIMIZERS
+         for groups in ("one", "decay")] + \
+        [(stage, optimizer, "one", "bfloat16") for stage in (1, 2) for optimizer in OPTIMIZERS] + \
+        [(2, "adamw-fused", "one", "bfloat16-fp32")]
 
 
 def _all(rank, world_size, directory):
@@ -238,15 +248,18 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.timeout(320)
-@pytest.mark.parametrize("stage, optimizer, groups", CASES)
-def test_runs_step_every_element_as_its_piece_alone_would(results, stage, optimizer, groups):
+@pytest.mark.parametrize("stage, optimizer, groups, dtype", CASES)
+def test_runs_step_every_element_as_its_piece_alone_would(results, stage, optimizer, groups, dtype):
     for rank, out in enumerate(results):
-        with_runs, without = out[(stage, optimizer, groups, True)], out[(stage, optimizer, groups, False)]
+        with_runs, without = out[(stage, optimizer, groups, dtype, True)], out[(stage, optimizer, groups, dtype, False)]
         assert all(map(torch.equal, with_runs["params"], without["params"])), f"rank {rank}: params differ"
         if rank == 0:
             assert_state_dicts_equal(with_runs["state"], without["state"])
+            if dtype != "float64":  # the masters travel with the state, bit for bit too
+                assert any("master_param" in st for st in with_runs["state"]["state"].values())
         # runs formed: fewer tensors stepped than pieces at some step, and none without runs
         assert min(with_runs["stepped"]) < max(without["stepped"]), (with_runs["stepped"], without["stepped"])
-    assert_params_equal(results[0][(stage, optimizer, groups, True)]["params"],
-                        _reference(2, optimizer, groups), "param (against plain torch on the global batch)")
+    if dtype == "float64":
+        assert_params_equal(results[0][(stage, optimizer, groups, dtype, True)]["params"],
+                            _reference(2, optimizer, groups), "param (against plain torch on the global batch)")
 
