@@ -303,19 +303,24 @@ def main(argv=None) -> int:
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hostpath_n2.json"))
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the model's dtype (bfloat16: hf_zero steps through fp32 masters, DDP's AdamW the bf16 params)")
+    parser.add_argument("--out", default=None,
+                        help="default: benchmarks/results/hostpath_n2.json (float32), hostpath_bf16_n2.json (bfloat16)")
     args = parser.parse_args(argv)
+    out = args.out or str(ROOT / "benchmarks" / "results" / f"hostpath{'_bf16' if args.dtype == 'bfloat16' else ''}_n2.json")
+    options = Options(dtype=args.dtype)
     cfg = {"world_size": 2, "rounds": args.rounds, "iterations": args.iterations, "seed": 0, "batch": BATCH,
-           "shapes": args.shapes.split(","), "options": asdict(Options()), "profile": args.profile,
+           "shapes": args.shapes.split(","), "options": asdict(options), "profile": args.profile,
            "model": "blocks of Linear(H, H) + LayerNorm(H), 4 tensors a block", "steady_steps": list(STEADY)}
     if args.smoke:
         cfg.update(rounds=2, iterations=3, shapes=["48"])
     per_rank = run_ranks(timed_rank, cfg["world_size"], cfg, timeout=3000)
     res = {"env": _common.environment("python -m benchmarks.hostpath " + " ".join(argv or sys.argv[1:])),
            "config": cfg, "shapes": analyse(per_rank, cfg),
-           "counts": counts(cfg["shapes"][0], Options()), "targets": TARGETS}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1) + "\n")
+           "counts": counts(cfg["shapes"][0], options), "targets": TARGETS}
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=1) + "\n")
     for shape, t in res["shapes"].items():
         print(shape, {n: f"{r['ms_median']:.2f} ms ({r['ratio_median']:.2f}x), host CPU {r['cpu_ms_median']:.2f} ms "
                          f"({r['cpu_ratio_median']:.2f}x)" for n, r in t["rows"].items()})

@@ -36,7 +36,7 @@ RESULTS = {
     "memory_checkpoints": ("memory_checkpoints_n2",),
     # GPU runs of python -m benchmarks.gpu_bench, as many as are published (none: the section says so)
     "gpu": tuple(sorted(p.stem for p in RESULTS_DIR.glob("gpu_*.json"))),
-    "host_time": ("hostpath_n2",),
+    "host_time": ("hostpath_n2", "hostpath_bf16_n2"),
 }
 
 MIB = 2**20
@@ -148,7 +148,7 @@ def _tensors(shape: str) -> str:
 
 
 def host_time() -> list[str]:
-    (res,) = [load(s) for s in RESULTS["host_time"]]
+    res, bf16 = [load(s) for s in RESULTS["host_time"]]
     cfg, shapes = res["config"], res["shapes"]
     out = [
         "## Host time per iteration, tiny compute",
@@ -160,19 +160,7 @@ def host_time() -> list[str]:
         "[The hot path](hot_path.md).",
         "",
     ]
-    measures = [("", "Wall time per iteration (the slower rank)")]
-    if all("cpu_ms_median" in r for t in shapes.values() for r in t["rows"].values()):
-        measures.append(("cpu_", "Host CPU time per iteration: the main thread's own (`time.thread_time`), without "
-                         "the waits for the other rank and gloo's threads. On a GPU this is the host's work a step "
-                         "cannot hide behind its kernels"))
-    for prefix, title in measures:
-        out += [f"{title}:", "", "| model | " + " | ".join(_HOST_NAMES.values()) + " |",
-                "|---|" + "---|" * len(_HOST_NAMES)]
-        for shape, t in shapes.items():
-            cells = [f"{t['rows'][n][prefix + 'ms_median']:.2f} ms"
-                     + ("" if n == "ddp" else f", {spread(t['rows'][n], prefix)}") for n in _HOST_NAMES]
-            out.append(f"| {_tensors(shape)} | " + " | ".join(cells) + " |")
-        out.append("")
+    out += _host_tables(shapes)
     targets = "; ".join(f"{_HOST_NAMES[n]} {', '.join(f'{r:.2f}x at {_tensors(s)}' for s, r in t.items())}"
                         for n, t in res["targets"].items())
     out += [f"Targets: {targets}.", ""]
@@ -195,7 +183,29 @@ def host_time() -> list[str]:
                 out.append(f"| {_HOST_NAMES[name]} | `{r['function']}` | {r['calls']:.0f} | {r['own_us']:.0f} | "
                            f"{r['total_us']:.0f} |")
         out.append("")
-    return out + ["Produced by:", ""] + provenance(res) + [""]
+    reads = ", ".join(f"{_HOST_NAMES[n]} {bf16['counts'][n]['reads']}" for n in _HOST_NAMES)
+    out += ["The same with the model in bf16: hf_zero steps fp32 masters, DDP's fused AdamW the bf16 params (bf16 "
+            f"moments, no masters). Host reads per steady step: {reads}.", ""]
+    out += _host_tables(bf16["shapes"])
+    return out + ["Produced by:", ""] + provenance(res, bf16) + [""]
+
+
+def _host_tables(shapes: dict) -> list[str]:
+    """Wall time and (where measured) host CPU time per iteration, per model, against DDP."""
+    out, measures = [], [("", "Wall time per iteration (the slower rank)")]
+    if all("cpu_ms_median" in r for t in shapes.values() for r in t["rows"].values()):
+        measures.append(("cpu_", "Host CPU time per iteration: the main thread's own (`time.thread_time`), without "
+                         "the waits for the other rank and gloo's threads. On a GPU this is the host's work a step "
+                         "cannot hide behind its kernels"))
+    for prefix, title in measures:
+        out += [f"{title}:", "", "| model | " + " | ".join(_HOST_NAMES.values()) + " |",
+                "|---|" + "---|" * len(_HOST_NAMES)]
+        for shape, t in shapes.items():
+            cells = [f"{t['rows'][n][prefix + 'ms_median']:.2f} ms"
+                     + ("" if n == "ddp" else f", {spread(t['rows'][n], prefix)}") for n in _HOST_NAMES]
+            out.append(f"| {_tensors(shape)} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
 
 
 _MEM_ROWS = {
@@ -476,6 +486,7 @@ python -m benchmarks.memory --raw --world-size 4 --out bench_out/m              
 python -m benchmarks.memory --rows raw_ddp_adamw raw_stage2 --small --out bench_out/s                # minutes: a small GPT-2
 python -m benchmarks.e2e --smoke                                                                    # seconds: does it run
 python -m benchmarks.hostpath --profile                                                              # host time, tiny compute
+python -m benchmarks.hostpath --dtype bfloat16 --out bench_out/h.json                             # the same, bf16 model
 ```
 
 Each run writes its JSON to `--out` (`e2e.json`, `results.json`). To publish a result, copy it

@@ -74,9 +74,10 @@ def test_hostpath_smoke_run(tmp_path):
     assert any(r["function"].startswith("hf_zero/") for r in profiles["stage2"])
     original = render.load
     try:
-        render.load = lambda stem: res if stem == "hostpath_n2" else original(stem)
+        render.load = lambda stem: res if stem.startswith("hostpath_") else original(stem)
         text = "\n".join(render.host_time())
     finally:
         render.load = original
     assert "| 48 tensors, H=64 |" in text and "host reads | 0 | 0 | 0 |" in text
     assert "Host CPU time per iteration" in text
+    assert "The same with the model in bf16" in text and "hf_zero stage 2 0." in text

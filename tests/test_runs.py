@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hf_zero import _runs
+from hf_zero import _partition, _runs
 from hf_zero._runs import Run, make_run, member_state, plan_runs, run_grad
 from tests._dist import run_ranks
 from tests.models import BATCH, assert_params_equal, assert_state_dicts_equal
@@ -118,16 +118,15 @@ def test_a_run_takes_its_pieces_grads_only_where_they_are_back_to_back():
 # -- training: with runs and without, bit for bit --------------------------------------------------------
 class Blocks(nn.Module):
     """Four blocks of Linear + LayerNorm (many small params side by side), a head; ``skip`` leaves a block
-    out of the forward (its params get no grad). float64, or bfloat16 (stepped through fp32 masters)."""
-
-    width = 8
+    out of the forward (its params get no grad). float64, or bfloat16 (stepped through fp32 masters), with
+    vectors that fill whole 64-byte registers in the dtype the local optimizer steps: runs span blocks."""
 
     def __init__(self, dtype=torch.float64):
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(self.width, self.width), nn.LayerNorm(self.width))
-                                    for _ in range(4))
-        self.head = nn.Linear(self.width, 2)
+        width = self.width(dtype)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width)) for _ in range(4))
+        self.head = nn.Linear(width, 2)
         self.skip = None
         self.to(dtype)
 
@@ -138,9 +137,13 @@ class Blocks(nn.Module):
         return F.mse_loss(self.head(x), y)
 
     @staticmethod
+    def width(dtype):
+        return 8 if dtype == torch.float64 else 16
+
+    @staticmethod
     def batch(step, n, dtype=torch.float64):
         g = torch.Generator().manual_seed(5000 + step)
-        return torch.randn(n, Blocks.width, generator=g, dtype=torch.float64).to(dtype), \
+        return torch.randn(n, Blocks.width(dtype), generator=g, dtype=torch.float64).to(dtype), \
             torch.randn(n, 2, generator=g, dtype=torch.float64).to(dtype)
 
 
@@ -187,13 +190,16 @@ def _train(rank, world_size, stage, optimizer, groups, dtype, directory, runs):
 
     ddp = DDP(model, find_unused_parameters=True, gradient_as_bucket_view=True) if stage == 1 else None
     forward = ddp if stage == 1 else model
-    opt, counts = make(), []
+    opt, counts, split_at = make(), [], []
     path = os.path.join(directory, f"{stage}-{optimizer}-{groups}-{dtype}-{runs}")
     for step in range(STEPS):
         _schedule(model, step)
         x, y = Blocks.batch(step, BATCH * world_size, dt)
         forward(x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]).backward()
+        splits = len(_SPLITS)
         opt.step()
+        if len(_SPLITS) > splits:
+            split_at.append(step)
         opt.zero_grad()
         counts.append(_stepped_tensors(opt))
         if step == RESUME_AFTER:
@@ -204,7 +210,8 @@ def _train(rank, world_size, stage, optimizer, groups, dtype, directory, runs):
     opt.consolidate_state_dict(to=0)
     state = opt.state_dict() if rank == 0 else None
     opt.unbind()
-    return {"params": [p.detach().clone() for p in model.parameters()], "state": state, "stepped": counts}
+    return {"params": [p.detach().clone() for p in model.parameters()], "state": state, "stepped": counts,
+            "split_at": split_at}
 
 
 def _stepped_tensors(opt):
@@ -233,11 +240,23 @@ CASES = [(stage, optimizer, groups, "float64") for stage in (1, 2) for optimizer
         [(2, "adamw-fused", "one", "bfloat16-fp32")]
 
 
+_SPLITS: list = []  # the runs split in this rank's process, as they split
+
+
 def _all(rank, world_size, directory):
-    out, cap = {}, _runs._MAX_RUN_ELEMENTS
+    out, cap, chunk, split = {}, _runs._MAX_RUN_ELEMENTS, _partition._CPU_GRAD_CHUNK_ELEMENTS, _runs.Runs.split
+
+    def counted(self, r, optimizer):
+        _SPLITS.append(r)
+        return split(self, r, optimizer)
+
+    _runs.Runs.split = counted
     for runs in (True, False):
         _runs._MAX_RUN_ELEMENTS = cap if runs else 0
         for case in CASES:
+            # masters step in chunks: small ones here (a Linear's weight and bias, 272 elements, fill one and
+            # more), which would end inside runs if a chunk could cut one
+            _partition._CPU_GRAD_CHUNK_ELEMENTS = chunk if case[3] == "float64" else 260
             out[(*case, runs)] = _train(rank, world_size, *case, directory, runs)
     return out
 
@@ -259,6 +278,8 @@ def test_runs_step_every_element_as_its_piece_alone_would(results, stage, optimi
                 assert any("master_param" in st for st in with_runs["state"]["state"].values())
         # runs formed: fewer tensors stepped than pieces at some step, and none without runs
         assert min(with_runs["stepped"]) < max(without["stepped"]), (with_runs["stepped"], without["stepped"])
+        # split only where some of a run's params had no grad (a chunk of masters never cuts one)
+        assert set(with_runs["split_at"]) <= {SKIP_AT}, with_runs["split_at"]
     if dtype == "float64":
         assert_params_equal(results[0][(stage, optimizer, groups, dtype, True)]["params"],
                             _reference(2, optimizer, groups), "param (against plain torch on the global batch)")
