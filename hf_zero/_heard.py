@@ -64,7 +64,7 @@ class Heard:
     @property
     def same(self) -> bool:
         """No rank changed."""
-        return self._read()[0] == 0
+        return self.changed == 0
 
     anyone = False
     everyone = False

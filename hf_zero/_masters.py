@@ -101,17 +101,10 @@ class Master:
         if bool(stale.any()):  # changed outside the optimizer: the param's value wins
             self.tensor[stale] = self.view[stale].to(torch.float32)
 
-    def set_grad(self, grad: torch.Tensor | None, scratch: torch.Tensor | None = None) -> None:
-        """``grad``: the piece's 16-bit grad (any shape of the piece's numel), or None. It is
-        upcast (exactly) into ``scratch``, fp32 of the piece's numel, reused from step to step
-        (a new tensor when None); the master's grad is then ``scratch``, viewed as the master."""
-        if grad is None:
-            self.tensor.grad = None
-            return
-        if scratch is None:
-            scratch = torch.empty(grad.numel(), dtype=torch.float32, device=self.tensor.device)
-        scratch.view_as(grad).copy_(grad)
-        self.tensor.grad = scratch.view_as(self.tensor)
+    def set_grad(self, grad: torch.Tensor | None) -> None:
+        """``grad``: the piece's grad upcast to fp32 (any shape of the piece's numel), or None; the
+        master's grad is then ``grad``, viewed as the master."""
+        self.tensor.grad = None if grad is None else grad.view_as(self.tensor)
 
     def write_back(self) -> None:
         """Round the stepped master into the 16-bit piece."""

@@ -153,13 +153,12 @@ class Partition:
             # where grads come in a bucket's order (DDP's, stage 2's): elsewhere they are not back to back
             eligible = [layout.buffers[lp.piece.buffer].bucket is not None for lp in pieces]
             places = [lp.view for lp in pieces]  # where a master's piece lies: its 16-bit view
+            masters = [lp.master for lp in pieces]
             for members in plan_runs(tensors, groups, states, eligible=eligible, places=places):
-                mastered = pieces[members[0]].master is not None
-                run, st = make_run(tensors, members, states, places=places if mastered else None)
-                for k, m in enumerate(members if mastered else ()):  # each master becomes its slice of the run's
-                    lp = pieces[m]
-                    lp.master.tensor = tensors[m] = run.tensor[run.starts[k] : run.starts[k + 1]]
-                    pieces[m] = replace(lp, tensor=lp.master.tensor)
+                run, st = make_run(tensors, members, states, None if masters[members[0]] is None else masters)
+                for m in members if run.masters else ():  # each master is now its slice of the run's
+                    tensors[m] = pieces[m].master.tensor
+                    pieces[m] = replace(pieces[m], tensor=tensors[m])
                 first_of[members[0]] = len(made)
                 made.append(run)
                 run_states.append(st)
@@ -342,7 +341,7 @@ class Partition:
             chunks = self._step_chunks(kwargs, by_buffer=buffer_done is not None)
             for i, chunk in enumerate(chunks):
                 with _labelled("grads"):
-                    scratch, used = self._scratch_for(chunk), {}
+                    upcast = _upcaster(self._scratch_for(chunk))  # into the chunk's reused fp32 scratch
                     loose, in_runs = self._runs.sort(chunk) if self._runs.member else (chunk, ())
                     # each run takes one grad (below): the span of its params' grads
                     run_grads = ({r: [None if lp is None else lp.param.grad for lp in lps] for r, lps in in_runs}
@@ -357,27 +356,20 @@ class Partition:
                             if g is not None and not flat:
                                 g = g.view_as(lp.view)  # view_as: view(torch.Size) parses its argument slowly
                         if lp.master is not None:
-                            # upcast into the chunk's slice of the reused fp32 scratch
-                            d, n = lp.tensor.device, lp.tensor.numel()
-                            at = used.get(d, 0)
-                            used[d] = at + n
-                            lp.master.set_grad(g, None if g is None else scratch[d][at : at + n])
+                            lp.master.set_grad(None if g is None else upcast(g))
                         else:  # a float32 stage-2 shard of a 16-bit param stepped without a master: rounded once
                             lp.tensor.grad = g if g is None or g.dtype == lp.tensor.dtype else g.to(lp.tensor.dtype)
-                    given, rounds = self._runs.give_grads(run_grads, self.inner, _upcaster(scratch, used)) \
-                        if run_grads else ((), ())
+                    given, rounds = self._runs.give_grads(run_grads, self.inner, upcast) if run_grads else ((), ())
                 with _labelled("step"):
                     out = step_inner(**kwargs)
                 loss = out if loss is None else loss
                 with _labelled("round"):
-                    for lp in loose:  # a run's pieces got no grad (its run did), nor have they a master
+                    for lp in loose:  # a run's pieces are not loose: their run took the grad
                         if lp.master is not None and lp.tensor.grad is not None:
                             lp.master.write_back()
                         lp.tensor.grad = None
-                    for master, view, masters in rounds:  # a run of masters: rounded in one copy
-                        view.copy_(master)
-                        for m in masters:
-                            m.stepped = True
+                    for stepped in rounds:  # runs of masters (rounded in one copy), masters of split ones
+                        stepped.write_back()
                     for t in given:
                         t.grad = None
                 if buffer_done is not None and i + 1 < len(chunks):
@@ -477,13 +469,16 @@ class Partition:
                             flat[a - start : z - start].copy_(buf[a:z])
 
 
-def _upcaster(scratch: dict[torch.device, torch.Tensor], used: dict[torch.device, int]):
-    """A 16-bit grad's elements upcast into the next unused slice of the chunk's fp32 ``scratch``."""
+def _upcaster(scratch: dict[torch.device, torch.Tensor]):
+    """``upcast(grad)``: a 16-bit grad upcast (exactly) into the next unused slice of ``scratch``, a chunk's fp32
+    room per device, shaped as the grad."""
+    used: dict[torch.device, int] = {}
+
     def upcast(g: torch.Tensor) -> torch.Tensor:
         d, n = g.device, g.numel()
         at = used.get(d, 0)
         used[d] = at + n
-        return scratch[d][at : at + n].copy_(g)
+        return scratch[d][at : at + n].view_as(g).copy_(g)
 
     return upcast
 

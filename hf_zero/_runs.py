@@ -21,8 +21,9 @@ a tensor's last partial register another way (torch's fused AdamW rounds it diff
 - Pieces with fp32 masters (16-bit params, [Note: master weights] in _masters.py) form runs
   too: the run's tensor is one fp32 master for its pieces (each piece's master a slice of
   it), its :attr:`Run.view` the span of their 16-bit pieces. Its grad is the span of the
-  16-bit grads upcast in one copy, and the step rounds it into :attr:`Run.view` in one copy;
-  adjacency is the 16-bit pieces', the vector registers the fp32 masters'.
+  16-bit grads upcast in one copy, and the step rounds it into :attr:`Run.view` in one copy
+  (:meth:`Run.write_back`); adjacency is the 16-bit pieces', the vector registers the fp32
+  masters'.
 - Each step gives a run one grad: the span of its pieces' grads, which lie back to back in
   one storage (DDP's buckets with ``gradient_as_bucket_view``, stage 2's shards).
 - A step where they do not (grads of their own), or where some pieces of a run have a grad
@@ -53,18 +54,27 @@ _LANES_BYTES = 64
 @dataclass(eq=False)
 class Run:
     """Pieces ``members`` (positions in the partition's pieces) stepped as ``tensor``; member k is
-    ``tensor[starts[k]:starts[k + 1]]``. ``view``: for pieces with masters, the span of their 16-bit
-    pieces, which ``tensor`` (their fp32 master) is rounded into after a step; else None."""
+    ``tensor[starts[k]:starts[k + 1]]``. For pieces with masters, ``masters`` are theirs (each one's tensor
+    its slice of ``tensor``) and ``view`` the span of their 16-bit pieces, which ``tensor`` is rounded into
+    after a step; else empty and None."""
 
     tensor: torch.Tensor
     members: tuple[int, ...]
     starts: tuple[int, ...]
+    masters: tuple = ()
     view: torch.Tensor | None = None
 
     @property
     def grad_dtype(self) -> torch.dtype:
         """The dtype of the grads its pieces' params take (16-bit for masters)."""
         return (self.tensor if self.view is None else self.view).dtype
+
+    def write_back(self) -> None:
+        """Round the stepped masters into their 16-bit pieces, in one copy (as :meth:`Master.write_back` does
+        for one)."""
+        self.view.copy_(self.tensor)
+        for m in self.masters:
+            m.stepped = True
 
 
 def plan_runs(tensors: Sequence[torch.Tensor], groups: Sequence[int], states: Sequence[dict],
@@ -126,36 +136,41 @@ def _same_scalars(first: dict, other: dict, first_shape, shape) -> bool:
 
 
 def make_run(tensors: Sequence[torch.Tensor], members: tuple[int, ...], states: list[dict],
-             places: Sequence[torch.Tensor] | None = None) -> tuple[Run, dict]:
+             masters: Sequence | None = None) -> tuple[Run, dict]:
     """The run of ``members`` and its state, from the members' ``states`` (emptied as they are read, so
-    that each piece's state is freed once copied where nothing else holds it). ``places``: the 16-bit
-    pieces, where ``tensors`` are their masters: the run's tensor is then the masters in one tensor (the
-    caller makes each member's master its slice of it)."""
+    that each piece's state is freed once copied where nothing else holds it). ``masters``: each piece's
+    :class:`~hf_zero._masters.Master`, where ``tensors`` are theirs: the run's tensor is then the masters in
+    one tensor, and each member's master becomes its slice of it."""
     first = tensors[members[0]]
     starts = [0]
     for k in members:
         starts.append(starts[-1] + tensors[k].numel())
-    if places is None:
+    if masters is None:
         run = Run(first.as_strided((starts[-1],), (1,)), members, tuple(starts))
     else:
-        masters = [tensors[k] for k in members]
-        span = _span(masters)
-        run = Run(torch.cat(masters) if span is None else span, members, tuple(starts),
-                  places[members[0]].as_strided((starts[-1],), (1,)))
-        del masters
+        own = tuple(masters[k] for k in members)
+        run = Run(_joined([m.tensor for m in own]), members, tuple(starts), own,
+                  own[0].view.as_strided((starts[-1],), (1,)))
+        for m, a, b in zip(own, starts, starts[1:]):
+            m.tensor = run.tensor[a:b]
     merged: dict[str, Any] = {}
     for key in list(states[members[0]]):
         values = [states[k].pop(key) for k in members]
         kind = kind_of(values[0], first.shape)
         if kind is Kind.ELEMENTWISE:
-            span = _span(values)
-            merged[key] = torch.cat(values) if span is None else span
+            merged[key] = _joined(values)
         elif kind is Kind.SCALAR:
             merged[key] = values[0].clone()
         else:
             merged[key] = values[0]
         del values
     return run, merged
+
+
+def _joined(values: list[torch.Tensor]) -> torch.Tensor:
+    """``values`` as one 1-D tensor: their span where they lie back to back in one storage, else a copy."""
+    span = _span(values)
+    return torch.cat(values) if span is None else span
 
 
 def _span(values: list[torch.Tensor]) -> torch.Tensor | None:
@@ -259,8 +274,8 @@ class Runs:
         """Give each run of ``run_grads`` its grad: run -> a list of its members' params' grads (``p.grad``), or
         what :meth:`span_grad` gave. A run whose members' grads cannot be one splits, and each member takes its
         own. ``upcast(grad)``: a 16-bit grad's elements in fp32 (room the caller reuses), for runs of masters.
-        Returns the tensors given grads, and what to round after the step: (a master run's tensor, the span
-        of its 16-bit pieces, its pieces' masters) for each master run (or member of a split one) given a grad."""
+        Returns the tensors given grads, and what to round after the step (``write_back()``): each master run,
+        or each master of a split one, given a grad."""
         given, rounds = [], []
         for r, grads in run_grads.items():
             run, pieces = self._live[r], self._spans[r]
@@ -273,13 +288,13 @@ class Runs:
                     master = self._masters[m]
                     if master is not None and g is not None:
                         g = upcast(g)
-                        rounds.append((master.tensor, master.view, (master,)))
+                        rounds.append(master)
                     self._tensors[m].grad = g
                     given.append(self._tensors[m])
             else:
                 if run.view is not None and grad is not None:
                     grad = upcast(grad)
-                    rounds.append((run.tensor, run.view, tuple(self._masters[m] for m in run.members)))
+                    rounds.append(run)
                 run.tensor.grad = grad
                 given.append(run.tensor)
         return given, rounds

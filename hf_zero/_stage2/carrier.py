@@ -38,7 +38,6 @@ from .._heard import HEADER, Heard, counts
 from .._layout import BufferPlan
 
 
-
 @dataclass(frozen=True)
 class Carrier:
     """The carrier's geometry on this rank: ``bucket``, its ``size`` and rank ``bounds`` with the headers;
