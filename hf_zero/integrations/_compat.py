@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
 # The versions CI tests, low and high end ([Note: the tested range]).
-TESTED = {"transformers": ("4.57.1", "5.24.0"), "accelerate": ("1.3.0", "1.15.0")}
+TESTED = {"transformers": ("4.57.1", "5.25.0"), "accelerate": ("1.3.0", "1.16.0")}
 
 
 class CompatError(RuntimeError):
@@ -364,7 +364,7 @@ def before_optimizer_save(trainer_class: type, before: Callable[[Any, str], None
     writes a checkpoint's optimizer state, and ``after(trainer, output_dir)`` right after.
 
     Trainer writes ``optimizer.pt`` in ``_save_optimizer_and_scheduler(output_dir)``
-    (every supported version, 4.57.1 to 5.24), called by ``_save_checkpoint`` on every
+    (every supported version, 4.57.1 to 5.25), called by ``_save_checkpoint`` on every
     rank whenever a checkpoint is saved, whatever decided it (a save strategy, "best"
     after an evaluation, a callback's ``control.should_save``); no callback event comes
     between that decision and the write. Idempotent.
@@ -391,7 +391,7 @@ def after_failed_train(trainer_class: type, failed: Callable[[Any], None]) -> No
     included), before the exception goes on.
 
     Trainer's callbacks see ``on_train_end`` only when ``train()`` returns: an exception in a step or a
-    callback, or an interrupt, leaves through no event (transformers 4.57.1 to 5.24). Its subclasses
+    callback, or an interrupt, leaves through no event (transformers 4.57.1 to 5.25). Its subclasses
     (TRL's trainers among them) reach ``Trainer.train`` through ``super()``. Idempotent."""
     train = _require(trainer_class, "train", "transformers", "after_failed_train")
     if getattr(train, _TRAINER_WRAPPED, False):
@@ -410,7 +410,7 @@ def after_failed_train(trainer_class: type, failed: Callable[[Any], None]) -> No
     trainer_class.train = wrapped_train
 
 
-# Trainer.log's parameters, read in transformers 4.57.1 to 5.24: it appends a copy of ``logs``,
+# Trainer.log's parameters, read in transformers 4.57.1 to 5.25: it appends a copy of ``logs``,
 # ``{**logs, "step": state.global_step}``, to ``state.log_history`` and then calls the callbacks' ``on_log``
 # with ``logs``: keys a callback adds to ``logs`` reach the printed line and the reporting integrations
 # (called after it), not ``log_history``.
