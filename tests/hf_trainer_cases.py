@@ -55,6 +55,16 @@ def tiny_bert() -> BertForSequenceClassification:
     return BertForSequenceClassification(config).to(torch.float64)
 
 
+def enable_activation_checkpointing(model, *, use_reentrant: bool) -> None:
+    """transformers' activation checkpointing on ``model`` (a PEFT model forwards it to its base):
+    ``activation_checkpointing_enable`` where transformers has it, else the older name it deprecates."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+
+
 class TrainabilitySchedule(TrainerCallback):
     """At each step begin, apply the latest ``{step: {name_prefix: requires_grad}}`` entries."""
 

@@ -22,7 +22,7 @@ from transformers.training_args import OptimizerNames
 import hf_zero
 from hf_zero.integrations import _compat
 from hf_zero.integrations import transformers as hf_tr
-from tests.hf_trainer_cases import tiny_bert
+from tests.hf_trainer_cases import enable_activation_checkpointing, tiny_bert
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -334,7 +334,7 @@ def test_ddp_find_unused_parameters_follows_trainers_rule_for_this_version(tmp_p
     assert _compat.ddp_find_unused_parameters(_args(tmp_path), model) is True
     assert _compat.ddp_find_unused_parameters(_args(tmp_path, ddp_find_unused_parameters=False), model) is False
     assert _compat.ddp_find_unused_parameters(_args(tmp_path), torch.nn.Linear(2, 2)) is True
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, use_reentrant=False)
     assert _compat.ddp_find_unused_parameters(_args(tmp_path), model) is False
     assert _compat.ddp_find_unused_parameters(_args(tmp_path, ddp_find_unused_parameters=True), model) is True
 

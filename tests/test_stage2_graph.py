@@ -329,7 +329,9 @@ def _hf_model(kind: str):
         model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["c_attn"],
                                                  fan_in_fan_out=True, init_lora_weights="gaussian"))
     if "reentrant" in kind:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": kind.endswith("-reentrant")})
+        from tests.hf_trainer_cases import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model, use_reentrant=kind.endswith("-reentrant"))
     return model
 
 
