@@ -683,18 +683,18 @@ def predict_ledger(specs: Sequence[ParamSpec], *, world_size: int, stage: int = 
     params = sum(b.size * size[b.dtype] for b in layout.buffers) + sum(
         s.numel * size[s.dtype] for i, s in enumerate(specs) if i not in in_buffers and s.numel)
     trainable = sum(s.numel * size[s.dtype] for s in specs if s.trainable)
+    # the bytes of an element the local optimizer steps, per param dtype (a 16-bit param's: its fp32 master's)
+    stepped = {dt: 4 if master_weights and n < 4 else n for dt, n in size.items()}
     per_rank = []
     for r in range(world_size):
         state = masters = shards = 0
         pieces = layout.pieces(r)
         for pc in pieces:
             s = specs[pc.index]
-            half = master_weights and size[s.dtype] < 4
             shape = shapes[pc.index] if shapes is not None and shard == "param" else (pc.numel,)
-            state += state_bytes(shape, pc.numel, optimizer=optimizer, itemsize=4 if half else size[s.dtype])
-            masters += 4 * pc.numel if half else 0
+            state += state_bytes(shape, pc.numel, optimizer=optimizer, itemsize=stepped[s.dtype])
+            masters += 4 * pc.numel if stepped[s.dtype] != size[s.dtype] else 0
         if optimizer == "adamw" and (stage == 2 or ddp_bucket_view):  # a run: one tensor, one step
-            stepped = {dt: 4 if master_weights and n < 4 else n for dt, n in size.items()}  # a master's fp32
             state -= _STEP_BYTES * _joined(layout, pieces, specs, stepped)
         if stage == 2:
             widen, carrier = accumulate_dtype(grad_accum_dtype, stage), carrier_of(layout.buffers, r, world_size)
